@@ -1,0 +1,90 @@
+"""Linear layers whose weights belong to a LinearMethod (dense here; AWQ/GPTQ in tritonllm.quant).
+
+A fused layer (qkv_proj = [q; k; v], gate_up_proj = [gate; up]) stacks its logical outputs along the output
+dimension; each checkpoint shard loads into its own row range through the parameter's `weight_loader`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tritonllm.quant.base import LinearMethod, QuantConfig
+
+
+def _shard_rows(output_sizes: list[int], shard_index: int | None) -> tuple[int, int]:
+    if shard_index is None:
+        return 0, sum(output_sizes)
+    if not 0 <= shard_index < len(output_sizes):
+        raise ValueError(f"shard index {shard_index} out of range for a layer fused from {len(output_sizes)} outputs")
+    start = sum(output_sizes[:shard_index])
+    return start, output_sizes[shard_index]
+
+
+def make_row_loader(output_sizes: list[int]):
+    """A weight_loader for a parameter whose dim 0 is the fused output: shard i fills rows of output i."""
+
+    def weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor, shard_index: int | None = None) -> None:
+        start, size = _shard_rows(output_sizes, shard_index)
+        expected = (size, *param.shape[1:])
+        if tuple(loaded_weight.shape) != expected:
+            raise ValueError(f"expected shape {list(expected)}, found {list(loaded_weight.shape)}")
+        with torch.no_grad():
+            param.data[start : start + size].copy_(loaded_weight)
+
+    return weight_loader
+
+
+class UnquantizedLinearMethod(LinearMethod):
+    """Dense weight [sum(output_sizes), input_size] in the model dtype; y = x @ W^T (+ b) through cuBLAS/torch."""
+
+    def create_weights(
+        self, layer: nn.Module, input_size: int, output_sizes: list[int], params_dtype: torch.dtype
+    ) -> None:
+        weight = nn.Parameter(torch.empty(sum(output_sizes), input_size, dtype=params_dtype), requires_grad=False)
+        weight.weight_loader = make_row_loader(output_sizes)
+        layer.register_parameter("weight", weight)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return F.linear(x, layer.weight, bias)
+
+
+class Linear(nn.Module):
+    """y = x @ W^T + b for x [..., input_size] -> [..., sum(output_sizes)].
+
+    `prefix` is the layer's parameter path ("model.layers.0.self_attn.qkv_proj"); a QuantConfig uses it to pick
+    the layer's method (layers a checkpoint left unquantized get the dense one).
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int] | int,
+        bias: bool = False,
+        quant_config: QuantConfig | None = None,
+        prefix: str = "",
+        params_dtype: torch.dtype | None = None,
+    ):
+        super().__init__()
+        self.input_size = input_size
+        self.output_sizes = [output_sizes] if isinstance(output_sizes, int) else list(output_sizes)
+        self.output_size = sum(self.output_sizes)
+        self.prefix = prefix
+        params_dtype = params_dtype or torch.get_default_dtype()
+        if quant_config is None:
+            self.linear_method: LinearMethod = UnquantizedLinearMethod()
+        else:
+            self.linear_method = quant_config.get_linear_method(prefix)
+        self.linear_method.create_weights(self, input_size, self.output_sizes, params_dtype)
+        if bias:
+            self.bias = nn.Parameter(torch.empty(self.output_size, dtype=params_dtype), requires_grad=False)
+            self.bias.weight_loader = make_row_loader(self.output_sizes)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_method.apply(self, x, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in={self.input_size}, out={self.output_sizes}, bias={self.bias is not None}, prefix={self.prefix!r}"

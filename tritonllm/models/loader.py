@@ -1,0 +1,258 @@
+"""Build a registered model from a Hugging Face checkpoint directory (or hub id) and load its safetensors weights.
+
+Checkpoint names map onto the model's parameters by their last path components: "...self_attn.k_proj.<x>" loads
+into "...self_attn.qkv_proj.<x>" as shard 1 of the fused layer (per the model's `packed_modules_mapping`), whatever
+<x> is (weight, bias, qweight, scales, ...). Each parameter's `weight_loader` places the tensor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import importlib.util
+import json
+import os
+from collections import defaultdict
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from tritonllm.models.config import ModelConfig
+from tritonllm.models.layers.weights import default_weight_loader
+from tritonllm.models.registry import model_class_for
+from tritonllm.platform import default_device
+from tritonllm.quant.base import QuantConfig
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp32": torch.float32,
+}
+# Rotary caches some checkpoints saved; we recompute them.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+# What a model needs from a hub repo: config and weights, plus tokenizer and chat-template files.
+_HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.tiktoken", "merges.txt", "*.jinja"]
+_DEFAULT_PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+
+
+def load_model(
+    model: str,
+    dtype: str | torch.dtype = "auto",
+    quantization: str | None = None,
+    device: str | torch.device | None = None,
+    revision: str | None = None,
+    load_format: str = "auto",
+) -> tuple[nn.Module, ModelConfig]:
+    """(model in eval mode on `device`, its ModelConfig) for a local directory or hub id.
+
+    dtype: "auto" (config.json's dtype / torch_dtype, float32 if absent), or float16 / bfloat16 / float32 as a
+    string or torch dtype. load_format "dummy" skips the weight files and fills parameters with random values
+    (only config.json is read), for benchmarks.
+    """
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format {load_format!r} is not one of {', '.join(LOAD_FORMATS)}")
+    path = resolve_model_path(model, revision)
+    config = ModelConfig.from_file(path)
+    torch_dtype = resolve_dtype(dtype, config)
+    device = torch.device(device) if device is not None else default_device()
+    _, model_cls = model_class_for(config.architectures)
+    quant_config = _get_quant_config(config, path, quantization)
+
+    with torch.device(device), _default_dtype(torch_dtype):
+        net = model_cls(config, quant_config)
+    net.to(device)  # buffers built on the CPU (rotary caches) follow the parameters
+    if load_format == "dummy":
+        init_dummy_weights(net)
+    else:
+        load_weights(net, path, iterate_safetensors(path), config.tie_word_embeddings)
+    for module in net.modules():
+        method = getattr(module, "linear_method", None)
+        if method is not None:
+            method.process_weights_after_loading(module)
+    net.eval()
+    return net, config
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, config: ModelConfig) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"dtype {dtype} is not supported; choose auto, float16, bfloat16 or float32")
+        return dtype
+    if dtype is None or dtype == "auto":
+        name = config.torch_dtype or "float32"
+        if name not in _DTYPES:
+            raise ValueError(
+                f"{config.source} declares dtype {name!r}, which tritonllm cannot run; "
+                "pass dtype='float16', 'bfloat16' or 'float32'"
+            )
+        return _DTYPES[name]
+    if isinstance(dtype, str) and dtype.removeprefix("torch.") in _DTYPES:
+        return _DTYPES[dtype.removeprefix("torch.")]
+    raise ValueError(f"dtype {dtype!r} is not supported; choose auto, float16, bfloat16 or float32")
+
+
+def resolve_model_path(model: str | os.PathLike, revision: str | None = None) -> str:
+    """A local directory as it is; anything else is a hub id fetched (or found in the cache) by huggingface_hub."""
+    model = os.fspath(model)
+    if os.path.isdir(model):
+        return model
+    looks_local = model.startswith((".", "/", "~")) or os.path.exists(model) or model.count("/") > 1
+    if looks_local:
+        raise FileNotFoundError(f"model directory {model!r} does not exist; pass a directory holding config.json")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.constants import HF_HUB_OFFLINE
+
+    offline = HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "0").upper() in ("1", "ON", "YES", "TRUE")
+    try:
+        return snapshot_download(
+            repo_id=model, revision=revision, allow_patterns=_HUB_PATTERNS, local_files_only=offline
+        )
+    except Exception as e:  # hub errors come in many types; all mean the same thing to the caller
+        where = (
+            "HF_HUB_OFFLINE is set and it is not in the local cache; download it first or unset HF_HUB_OFFLINE"
+            if offline
+            else "it is not a local directory and could not be fetched from the Hugging Face hub "
+            "(check the id and revision, your network, and HF_TOKEN for gated repos; with HF_HUB_OFFLINE=1 only "
+            "the local cache is used)"
+        )
+        rev = f" at revision {revision!r}" if revision else ""
+        raise FileNotFoundError(f"cannot find model {model!r}{rev}: {where} ({type(e).__name__}: {e})") from e
+
+
+def safetensors_files(path: str) -> list[str]:
+    """The checkpoint's .safetensors files: those named in model.safetensors.index.json, or the one file."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            weight_map = json.load(f).get("weight_map")
+        if not weight_map:
+            raise ValueError(f"{index} has no 'weight_map'")
+        files = [os.path.join(path, name) for name in sorted(set(weight_map.values()))]
+        absent = [f for f in files if not os.path.isfile(f)]
+        if absent:
+            raise FileNotFoundError(f"{index} lists shard(s) that do not exist: {', '.join(absent)}")
+        return files
+    single = os.path.join(path, "model.safetensors")
+    if os.path.isfile(single):
+        return [single]
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(
+            f"no .safetensors weights in {path}; tritonllm reads safetensors only (convert .bin checkpoints, "
+            "or use load_format='dummy' for random weights)"
+        )
+    return files
+
+
+def iterate_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for file in safetensors_files(path):
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_weights(
+    model: nn.Module,
+    source: str,
+    weights: Iterator[tuple[str, torch.Tensor]],
+    tie_word_embeddings: bool = False,
+) -> None:
+    """Load (name, tensor) pairs in Hugging Face naming into `model`; raise one error listing every problem."""
+    packed = getattr(model, "packed_modules_mapping", _DEFAULT_PACKED)
+    shard_of = {shard: (fused, i) for fused, shards in packed.items() for i, shard in enumerate(shards)}
+    params = dict(model.named_parameters())
+    loaded: dict[str, set[int | None]] = defaultdict(set)
+    unexpected: list[str] = []
+    mis_shaped: list[str] = []
+    for name, tensor in weights:
+        if name.endswith(_IGNORED_SUFFIXES) or (tie_word_embeddings and name == "lm_head.weight"):
+            continue
+        parts = name.split(".")
+        shard: int | None = None
+        if len(parts) >= 2 and parts[-2] in shard_of:
+            parts[-2], shard = shard_of[parts[-2]]
+        param_name = ".".join(parts)
+        param = params.get(param_name)
+        if param is None:
+            unexpected.append(name)
+            continue
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        try:
+            loader(param, tensor, shard)
+        except ValueError as e:
+            mis_shaped.append(f"{name} ({e})")
+            continue
+        loaded[param_name].add(shard)
+
+    missing = []
+    for param_name, param in params.items():
+        parts = param_name.split(".")
+        shards = packed.get(parts[-2], None) if len(parts) >= 2 else None
+        expected = range(len(shards)) if shards else [None]
+        for s in expected:
+            if s in loaded[param_name] or getattr(param, "load_optional", False):
+                continue
+            missing.append(".".join([*parts[:-2], shards[s], parts[-1]]) if shards else param_name)
+
+    problems = []
+    if missing:
+        problems.append(f"missing ({len(missing)}): " + ", ".join(missing))
+    if unexpected:
+        problems.append(f"unexpected ({len(unexpected)}): " + ", ".join(unexpected))
+    if mis_shaped:
+        problems.append(f"mis-shaped ({len(mis_shaped)}): " + "; ".join(mis_shaped))
+    if problems:
+        raise ValueError(f"checkpoint {source} does not match {type(model).__name__}:\n  " + "\n  ".join(problems))
+
+
+@torch.no_grad()
+def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
+    """Random parameters (norm weights near 1, others N(0, 0.02), integer tensors uniform bits), reproducible."""
+    generators: dict[torch.device, torch.Generator] = {}
+    for name, p in model.named_parameters():
+        g = generators.setdefault(p.device, torch.Generator(device=p.device).manual_seed(seed))
+        if p.is_floating_point():
+            module_name = name.rsplit(".", 2)[-2] if "." in name else ""
+            if "norm" in module_name:
+                p.normal_(1.0, 0.02, generator=g)
+            else:
+                p.normal_(0.0, 0.02, generator=g)
+        else:
+            p.random_(generator=g)
+
+
+def _get_quant_config(config: ModelConfig, path: str, quantization: str | None) -> QuantConfig | None:
+    if importlib.util.find_spec("tritonllm.quant.config") is None:
+        # Format detection (tritonllm.quant.config) is not part of this build: only dense checkpoints load.
+        if quantization is not None or config.quantization_config:
+            wanted = quantization or config.quantization_config.get("quant_method", "?")
+            raise ValueError(
+                f"{config.source} needs quantization {wanted!r} but tritonllm.quant.config is not available; "
+                "use an unquantized checkpoint"
+            )
+        return None
+    import tritonllm.quant as quant
+
+    get_quant_config = getattr(quant, "get_quant_config", None)
+    if get_quant_config is None:
+        from tritonllm.quant.config import get_quant_config
+    return get_quant_config(config.raw, path, quantization)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
