@@ -1,0 +1,363 @@
+"""Per-row sampling: repetition/presence/frequency penalties, temperature, and a seeded exponential race.
+
+Exponential race (Gumbel-max): with E_v ~ Exp(1) independent per token, argmax_v p_v / E_v is distributed as
+p. Taking logs, argmax_v p_v / E_v = argmax_v (logit_v / T - log E_v) since log p_v = logit_v / T - log Z and
+log Z is the same for every v. The log form needs no softmax, so one pass over a tile suffices. A program
+owns a [BLOCK_ROWS, BLOCK_V] tile: big vocabs are split into several tiles per row that each report their
+best (score, token), and a second tiny kernel picks each row's winner; small vocabs stack rows in one tile.
+
+Top-k / top-p / min-p are not here: they need order statistics of the whole processed row (a sort or a
+selection), which a streaming pass cannot give. The sampler applies them in torch (sort-based) to the
+penalized, temperature-scaled logits and then calls `sample` on the filtered logits with T = 1.
+
+Noise: E for (row, token v) comes from `tl.rand(seed, offset)` with offset = position << 32 | v, i.e. Philox
+keyed by the request's 64-bit seed with the counter (v, position). A token's noise therefore depends only on
+(seed, position, v): the same request samples the same token whatever else is in the batch, however the
+vocab is tiled, and again after preemption and recompute. Distinct positions use disjoint counters, so
+they never share noise.
+
+E = -log(1 - U) is computed in a log1p-accurate form: small E decides whether rare tokens win, and
+-log(U) would quantize it to float32's 6e-8 grid just below 1.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from tritonllm.platform import INTERPRET, check_kernel_device
+
+# Half a step of tl.rand's 2^-31 grid: keeps U > 0 so E > 0 and no token gets an infinite score.
+HALF_STEP = tl.constexpr(2.0**-32)
+
+
+@triton.jit
+def _load_tile(
+    logits_ptr, prompt_mask_ptr, output_counts_ptr, repetition_ptr, presence_ptr, frequency_ptr, rows, offs,
+    row_mask, col_mask, stride_logits_row, stride_prompt_mask_row, stride_output_counts_row,
+    HAS_PENALTIES: tl.constexpr,
+):  # fmt: skip
+    """A [BLOCK_ROWS, BLOCK_V] tile of logits in fp32, penalized in vLLM's order when HAS_PENALTIES:
+    repetition (tokens in the prompt or output), then frequency and presence (tokens in the output)."""
+    mask = row_mask[:, None] & col_mask[None, :]
+    logits = tl.load(logits_ptr + rows[:, None] * stride_logits_row + offs[None, :], mask=mask, other=float("-inf"))
+    logits = logits.to(tl.float32)
+    if HAS_PENALTIES:
+        repetition = tl.load(repetition_ptr + rows, mask=row_mask, other=1.0)[:, None]
+        presence = tl.load(presence_ptr + rows, mask=row_mask, other=0.0)[:, None]
+        frequency = tl.load(frequency_ptr + rows, mask=row_mask, other=0.0)[:, None]
+        # Rows without penalties never read their two [V] rows of counts.
+        penalized = (repetition != 1.0) | (presence != 0.0) | (frequency != 0.0)
+        pmask = mask & penalized
+        in_prompt = tl.load(
+            prompt_mask_ptr + rows[:, None] * stride_prompt_mask_row + offs[None, :], mask=pmask, other=0
+        )
+        counts = tl.load(
+            output_counts_ptr + rows[:, None] * stride_output_counts_row + offs[None, :], mask=pmask, other=0
+        )
+        in_output = counts > 0
+        repeated = tl.where(logits > 0, logits / repetition, logits * repetition)
+        logits = tl.where((in_prompt != 0) | in_output, repeated, logits)
+        logits = logits - frequency * counts.to(tl.float32) - presence * in_output.to(tl.float32)
+    return logits
+
+
+@triton.jit
+def _apply_penalties_kernel(
+    logits_ptr, prompt_mask_ptr, output_counts_ptr, repetition_ptr, presence_ptr, frequency_ptr, out_ptr,
+    N, V, stride_logits_row, stride_prompt_mask_row, stride_output_counts_row, stride_out_row,
+    BLOCK_ROWS: tl.constexpr, BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    offs = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    row_mask = rows < N
+    col_mask = offs < V
+    logits = _load_tile(
+        logits_ptr, prompt_mask_ptr, output_counts_ptr, repetition_ptr, presence_ptr, frequency_ptr, rows, offs,
+        row_mask, col_mask, stride_logits_row, stride_prompt_mask_row, stride_output_counts_row, True,
+    )  # fmt: skip
+    out_mask = row_mask[:, None] & col_mask[None, :]
+    tl.store(out_ptr + rows[:, None] * stride_out_row + offs[None, :], logits, mask=out_mask)
+
+
+@triton.jit
+def _sample_kernel(
+    logits_ptr, temperature_ptr, seeds_ptr, positions_ptr,
+    prompt_mask_ptr, output_counts_ptr, repetition_ptr, presence_ptr, frequency_ptr,
+    tile_scores_ptr, tile_tokens_ptr, out_ptr,
+    N, V, NUM_TILES, stride_logits_row, stride_prompt_mask_row, stride_output_counts_row,
+    BLOCK_ROWS: tl.constexpr, BLOCK_V: tl.constexpr, HAS_PENALTIES: tl.constexpr, ALL_GREEDY: tl.constexpr,
+    SINGLE_TILE: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    tile = tl.program_id(1)
+    offs = tile * BLOCK_V + tl.arange(0, BLOCK_V)
+    row_mask = rows < N
+    col_mask = offs < V
+    scores = _load_tile(
+        logits_ptr, prompt_mask_ptr, output_counts_ptr, repetition_ptr, presence_ptr, frequency_ptr, rows, offs,
+        row_mask, col_mask, stride_logits_row, stride_prompt_mask_row, stride_output_counts_row, HAS_PENALTIES,
+    )  # fmt: skip
+    if not ALL_GREEDY:
+        temperature = tl.load(temperature_ptr + rows, mask=row_mask, other=0.0)[:, None]
+        seeds = tl.load(seeds_ptr + rows, mask=row_mask, other=0)[:, None]
+        positions = tl.load(positions_ptr + rows, mask=row_mask, other=0)[:, None] & 0xFFFFFFFF
+        # Philox keyed by each row's seed, counter (v, position): tl.rand broadcasts a [rows, 1] key.
+        u = tl.rand(seeds, (positions << 32) | offs[None, :].to(tl.int64)) + HALF_STEP
+        # E = -log1p(-u), exact for small u where 1 - u rounds (Goldberg's log1p).
+        w = 1.0 - u
+        exp_noise = tl.where(w == 1.0, u, tl.log(w) * u / (w - 1.0))
+        sampled = temperature > 0
+        inv_temperature = tl.where(sampled, 1.0 / tl.where(sampled, temperature, 1.0), 1.0)
+        scores = tl.where(sampled, scores * inv_temperature - tl.log(exp_noise), scores)
+    scores = tl.where(col_mask[None, :], scores, float("-inf"))
+    best_score, best_index = tl.max(scores, axis=1, return_indices=True)
+    tokens = tile * BLOCK_V + best_index
+    if SINGLE_TILE:
+        tl.store(out_ptr + rows, tokens.to(tl.int64), mask=row_mask)
+    else:
+        tl.store(tile_scores_ptr + rows * NUM_TILES + tile, best_score, mask=row_mask)
+        tl.store(tile_tokens_ptr + rows * NUM_TILES + tile, tokens, mask=row_mask)
+
+
+@triton.jit
+def _pick_tile_kernel(tile_scores_ptr, tile_tokens_ptr, out_ptr, N, NUM_TILES, BLOCK_ROWS: tl.constexpr,
+                      BLOCK_TILES: tl.constexpr):  # fmt: skip
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    offs = tl.arange(0, BLOCK_TILES)
+    mask = (rows < N)[:, None] & (offs < NUM_TILES)[None, :]
+    index = rows[:, None] * NUM_TILES + offs[None, :]
+    scores = tl.load(tile_scores_ptr + index, mask=mask, other=float("-inf"))
+    # Ties go to the lowest tile, so ties in the row go to the lowest token id (like torch.argmax).
+    _, best_tile = tl.max(scores, axis=1, return_indices=True)
+    tokens = tl.load(tile_tokens_ptr + rows * NUM_TILES + best_tile, mask=rows < N, other=0)
+    tl.store(out_ptr + rows, tokens.to(tl.int64), mask=rows < N)
+
+
+def _launch_config(num_rows: int, vocab_size: int, block_v: int | None = None) -> tuple[int, int]:
+    """(BLOCK_ROWS, BLOCK_V): a tile of about TILE elements; big vocabs get one row per program and several
+    tiles per row so a small decode batch still spreads over the SMs; small vocabs stack rows instead.
+    The interpreter pays per program and per op, not per element, so it takes much bigger tiles."""
+    tile = 1 << 16 if INTERPRET else 4096
+    if block_v is None:
+        block_v = min(triton.next_power_of_2(vocab_size), tile)
+    block_rows = min(triton.next_power_of_2(max(num_rows, 1)), max(1, tile // block_v))
+    return block_rows, block_v
+
+
+def _check_logits(logits: torch.Tensor) -> None:
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [num_rows, vocab_size], got shape {tuple(logits.shape)}")
+    if logits.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"logits must be float16, bfloat16 or float32, got {logits.dtype}")
+    if logits.shape[1] > 0 and logits.stride(1) != 1:
+        raise ValueError("logits rows must be contiguous (stride 1 along the vocab); call .contiguous()")
+
+
+def _check_row_param(name: str, t: torch.Tensor, num_rows: int, dtype: torch.dtype) -> None:
+    if t.shape != (num_rows,) or t.dtype != dtype or not t.is_contiguous():
+        raise ValueError(
+            f"{name} must be a contiguous [{num_rows}] {dtype} tensor (one per logits row), "
+            f"got shape {tuple(t.shape)} {t.dtype}"
+        )
+
+
+def _check_penalties(
+    logits: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    output_counts: torch.Tensor,
+    repetition_penalty: torch.Tensor,
+    presence_penalty: torch.Tensor,
+    frequency_penalty: torch.Tensor,
+) -> None:
+    n, v = logits.shape
+    for name, t, dtype in (("prompt_mask", prompt_mask, torch.bool), ("output_counts", output_counts, torch.int32)):
+        if t.shape != (n, v) or t.dtype != dtype or (v > 0 and t.stride(1) != 1):
+            raise ValueError(
+                f"{name} must be a [{n}, {v}] {dtype} tensor with contiguous rows (same shape as logits), "
+                f"got shape {tuple(t.shape)} {t.dtype}"
+            )
+    _check_row_param("repetition_penalty", repetition_penalty, n, torch.float32)
+    _check_row_param("presence_penalty", presence_penalty, n, torch.float32)
+    _check_row_param("frequency_penalty", frequency_penalty, n, torch.float32)
+    check_kernel_device(prompt_mask, output_counts, repetition_penalty, presence_penalty, frequency_penalty)
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    output_counts: torch.Tensor,
+    repetition_penalty: torch.Tensor,
+    presence_penalty: torch.Tensor,
+    frequency_penalty: torch.Tensor,
+) -> torch.Tensor:
+    """Penalized logits, out of place, in float32.
+
+    For row r and token v, with c = output_counts[r, v] and seen = prompt_mask[r, v] or c > 0:
+        x = logits[r, v]
+        x = x / rep[r] if seen and x > 0 else x * rep[r] if seen else x
+        x = x - freq[r] * c - pres[r] * (c > 0)
+
+    logits [N, V] fp16/bf16/fp32 (rows contiguous); prompt_mask [N, V] bool (token occurs in the prompt);
+    output_counts [N, V] int32 (occurrences in the output so far); the three penalties [N] float32.
+    Returns [N, V] float32.
+    """
+    _check_logits(logits)
+    _check_penalties(logits, prompt_mask, output_counts, repetition_penalty, presence_penalty, frequency_penalty)
+    check_kernel_device(logits)
+    n, v = logits.shape
+    out = torch.empty((n, v), dtype=torch.float32, device=logits.device)
+    if n == 0 or v == 0:
+        return out
+    block_rows, block_v = _launch_config(n, v)
+    grid = (triton.cdiv(n, block_rows), triton.cdiv(v, block_v))
+    _apply_penalties_kernel[grid](
+        logits, prompt_mask.view(torch.uint8), output_counts, repetition_penalty, presence_penalty,
+        frequency_penalty, out, n, v, logits.stride(0), prompt_mask.stride(0), output_counts.stride(0),
+        out.stride(0), BLOCK_ROWS=block_rows, BLOCK_V=block_v,
+    )  # fmt: skip
+    return out
+
+
+def sample(
+    logits: torch.Tensor,
+    temperature: torch.Tensor | None,
+    seeds: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
+    prompt_mask: torch.Tensor | None = None,
+    output_counts: torch.Tensor | None = None,
+    repetition_penalty: torch.Tensor | None = None,
+    presence_penalty: torch.Tensor | None = None,
+    frequency_penalty: torch.Tensor | None = None,
+    *,
+    block_v: int | None = None,
+) -> torch.Tensor:
+    """One token per row: the argmax of the (penalized) logits where temperature <= 0, else a seeded sample.
+
+    x = penalized logits (see `apply_penalties`; the five penalty arguments are all given or all None).
+    Greedy row (temperature[r] <= 0, or temperature None for all rows): token = argmax_v x[v] (ties: lowest id).
+    Sampled row: token = argmax_v (x[v] / T - log E_v), E_v ~ Exp(1) from Philox keyed by seeds[r] at counter
+    (v, positions[r] mod 2^32): a draw from softmax(x / T) that depends only on (seed, position, x).
+    Tokens with logit -inf are never drawn (unless the whole row is -inf: token 0).
+
+    logits [N, V] fp16/bf16/fp32 (rows contiguous); temperature [N] float32 or None (all greedy: no noise is
+    computed, seeds and positions may be None); seeds [N] int64 (any 64-bit pattern); positions [N] int64
+    (the sampled token's position in its sequence). block_v overrides the vocab tile width (a power of two;
+    the result does not depend on it). Returns [N] int64.
+    """
+    _check_logits(logits)
+    n, v = logits.shape
+    all_greedy = temperature is None
+    if not all_greedy:
+        if seeds is None or positions is None:
+            raise ValueError("sampling with a temperature needs seeds and positions (pass temperature=None for greedy)")
+        _check_row_param("temperature", temperature, n, torch.float32)
+        _check_row_param("seeds", seeds, n, torch.int64)
+        _check_row_param("positions", positions, n, torch.int64)
+        check_kernel_device(temperature, seeds, positions)
+    penalties = (prompt_mask, output_counts, repetition_penalty, presence_penalty, frequency_penalty)
+    has_penalties = prompt_mask is not None
+    if any((p is None) == has_penalties for p in penalties):
+        raise ValueError(
+            "pass all of prompt_mask, output_counts, repetition_penalty, presence_penalty, frequency_penalty, "
+            "or none of them"
+        )
+    if has_penalties:
+        _check_penalties(logits, *penalties)
+    if v == 0:
+        raise ValueError("logits have an empty vocab dimension; there is no token to sample")
+    if block_v is not None and (block_v < 1 or block_v & (block_v - 1)):
+        raise ValueError(f"block_v must be a power of two, got {block_v}")
+    check_kernel_device(logits)
+
+    out = torch.empty(n, dtype=torch.int64, device=logits.device)
+    if n == 0:
+        return out
+    block_rows, block_v = _launch_config(n, v, block_v)
+    num_tiles = triton.cdiv(v, block_v)
+    tile_scores = torch.empty((n, num_tiles), dtype=torch.float32, device=logits.device)
+    tile_tokens = torch.empty((n, num_tiles), dtype=torch.int32, device=logits.device)
+    # Pointer slots that a constexpr switch leaves unread take any tensor.
+    temperature, seeds, positions = (logits, logits, logits) if all_greedy else (temperature, seeds, positions)
+    if has_penalties:
+        pm, oc, rep, pres, freq = prompt_mask.view(torch.uint8), *penalties[1:]
+        stride_pm, stride_oc = prompt_mask.stride(0), output_counts.stride(0)
+    else:
+        pm = oc = rep = pres = freq = logits
+        stride_pm = stride_oc = 0
+    grid = (triton.cdiv(n, block_rows), num_tiles)
+    _sample_kernel[grid](
+        logits, temperature, seeds, positions, pm, oc, rep, pres, freq, tile_scores, tile_tokens, out,
+        n, v, num_tiles, logits.stride(0), stride_pm, stride_oc,
+        BLOCK_ROWS=block_rows, BLOCK_V=block_v, HAS_PENALTIES=has_penalties, ALL_GREEDY=all_greedy,
+        SINGLE_TILE=num_tiles == 1,
+    )  # fmt: skip
+    if num_tiles > 1:
+        block_tiles = triton.next_power_of_2(num_tiles)
+        pick_rows = min(triton.next_power_of_2(n), max(1, 1024 // block_tiles))
+        _pick_tile_kernel[(triton.cdiv(n, pick_rows),)](
+            tile_scores, tile_tokens, out, n, num_tiles, BLOCK_ROWS=pick_rows, BLOCK_TILES=block_tiles
+        )
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------------
+# References (plain PyTorch, float32, one row at a time).
+# --------------------------------------------------------------------------------------------------------------
+
+
+def apply_penalties_ref(
+    logits: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    output_counts: torch.Tensor,
+    repetition_penalty: torch.Tensor,
+    presence_penalty: torch.Tensor,
+    frequency_penalty: torch.Tensor,
+) -> torch.Tensor:
+    out = logits.float().clone()
+    for r in range(out.shape[0]):
+        x = out[r]
+        counts = output_counts[r].float()
+        seen = prompt_mask[r] | (counts > 0)
+        rep = repetition_penalty[r].item()
+        x[seen] = torch.where(x[seen] > 0, x[seen] / rep, x[seen] * rep)
+        x -= frequency_penalty[r].item() * counts
+        x -= presence_penalty[r].item() * (counts > 0).float()
+    return out
+
+
+def sample_probs_ref(
+    logits: torch.Tensor, temperature: torch.Tensor, penalties: tuple[torch.Tensor, ...] | None = None
+) -> torch.Tensor:
+    """The distribution `sample` draws from: softmax(penalized / T), or a one-hot argmax where T <= 0."""
+    x = apply_penalties_ref(logits, *penalties) if penalties is not None else logits.float()
+    probs = torch.empty_like(x)
+    for r in range(x.shape[0]):
+        t = temperature[r].item()
+        if t > 0:
+            probs[r] = torch.softmax(x[r] / t, dim=0)
+        else:
+            probs[r] = torch.nn.functional.one_hot(x[r].argmax(), x.shape[1]).float()
+    return probs
+
+
+def sample_ref(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    penalties: tuple[torch.Tensor, ...] | None = None,
+) -> torch.Tensor:
+    """A sample from the same distribution as `sample`, drawn with torch's generator seeded by (seed, position).
+
+    Greedy rows match `sample` exactly; sampled rows match it in distribution (the random streams differ).
+    """
+    probs = sample_probs_ref(logits, temperature, penalties)
+    tokens = torch.empty(logits.shape[0], dtype=torch.int64)
+    for r in range(logits.shape[0]):
+        if temperature[r].item() > 0:
+            g = torch.Generator().manual_seed((int(seeds[r]) * 1_000_003 + int(positions[r])) % 2**63)
+            race = probs[r].cpu() / torch.empty(probs.shape[1]).exponential_(generator=g)
+            tokens[r] = race.argmax()
+        else:
+            tokens[r] = probs[r].argmax()
+    return tokens.to(logits.device)
