@@ -1,0 +1,304 @@
+"""Continuous-batching scheduler: token budget, chunked prefill, prefix caching, preemption by recompute.
+
+No prefill/decode phases. Each sequence has num_computed_tokens; a step gives every running sequence
+(oldest first) the tokens it still lacks, capped by the step's token budget (so a long prompt is
+prefilled in chunks, and a decode takes 1), then admits waiting sequences FCFS while the budget,
+max_num_seqs and the KV blocks allow. A sequence is sampled in a step only if that step computes its
+last token. When blocks run out the newest running sequence is preempted: its blocks are freed,
+num_computed_tokens drops to 0 and it re-queues by age, keeping its generated tokens, so the recompute
+covers them and it goes on exactly where it was.
+
+Engine loop (strictly alternating):
+    out = scheduler.schedule()
+    token_ids = runner.execute(out)                          # one per out.sampled entry
+    ended = scheduler.update_from_output(out, token_ids)     # appends tokens; ends sequences by length
+    for e in out.sampled: if e.seq is not finished and it hit EOS / a stop string:
+        scheduler.finish_sequence(e.seq)                     # stop conditions on content: the engine's
+"""
+
+import itertools
+from bisect import insort
+from collections.abc import Iterable
+from dataclasses import dataclass
+from operator import attrgetter
+from typing import Any
+
+from tritonllm.runtime.block_manager import BlockManager
+from tritonllm.runtime.scheduler_output import ScheduledSequence, SchedulerOutput, SchedulerStats
+from tritonllm.runtime.sequence import Sequence, SequenceGroup, SequenceStatus
+
+_KEY = attrgetter("sort_key")
+
+
+@dataclass(slots=True, kw_only=True)
+class SchedulerConfig:
+    max_model_len: int  # most tokens (prompt + output) a sequence may reach
+    num_blocks: int  # KV blocks in the pool (the runner sizes it from its memory budget)
+    block_size: int = 16
+    max_num_seqs: int = 256  # running sequences at once (the n samples of a request count n)
+    max_num_batched_tokens: int = 8192  # new tokens per step, all sequences together
+    enable_prefix_caching: bool = True
+    long_prefill_token_threshold: int = 0  # > 0: one sequence takes at most this many tokens per step
+
+    def __post_init__(self) -> None:
+        for name in ("max_model_len", "num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"SchedulerConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(
+                f"SchedulerConfig.long_prefill_token_threshold must be >= 0 (0 = no cap), "
+                f"got {self.long_prefill_token_threshold}"
+            )
+
+
+class Scheduler:
+    """Owns the waiting and running queues and the BlockManager; never touches tensors."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.waiting: list[Sequence] = []  # sorted by Sequence.sort_key (oldest first)
+        self.running: list[Sequence] = []  # sorted by Sequence.sort_key; the last one is preempted first
+        self.num_preemptions = 0
+        self._groups: dict[str, SequenceGroup] = {}  # unfinished requests
+        self._seq_ids = itertools.count()
+        self._arrivals = itertools.count()
+        self._in_flight: SchedulerOutput | None = None
+        self._finished_ids: list[int] = []
+
+    # ---- requests ---------------------------------------------------------------------------------
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: Iterable[int], sampling_params: Any = None
+    ) -> SequenceGroup:
+        """Queue a request. Reads `sampling_params.n` (samples, default 1) and `.max_tokens` (None = up
+        to max_model_len). Raises ValueError, changing nothing, if it could never run."""
+        if request_id in self._groups:
+            raise ValueError(f"request id {request_id!r} is already in use; give each request a unique id")
+        prompt = [int(t) for t in prompt_token_ids]
+        n = getattr(sampling_params, "n", 1)
+        max_tokens = getattr(sampling_params, "max_tokens", None)
+        self._check_request(request_id, len(prompt), n, max_tokens)
+        arrival = next(self._arrivals)
+        seqs = [
+            Sequence(next(self._seq_ids), request_id, list(prompt), len(prompt), sampling_params, arrival, i)
+            for i in range(n)
+        ]
+        group = SequenceGroup(request_id, sampling_params, seqs, pending_fork=seqs[1:])
+        self._groups[request_id] = group
+        self.waiting.append(seqs[0])  # the newest arrival sorts last
+        return group
+
+    def abort_request(self, request_id: str) -> bool:
+        """End every sequence of the request now, freeing its blocks. False if it is unknown or done."""
+        group = self._groups.get(request_id)
+        if group is None:
+            return False
+        for seq in group.seqs:
+            self._finish(seq, SequenceStatus.FINISHED_ABORTED)
+        return True
+
+    def finish_sequence(self, seq: Sequence, status: SequenceStatus = SequenceStatus.FINISHED_STOPPED) -> None:
+        """End one sequence (the engine found a stop condition); frees its blocks. No-op if already ended."""
+        if not status.is_finished:
+            raise ValueError(f"finish_sequence needs a FINISHED_* status, got {status.name}")
+        self._finish(seq, status)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._groups)
+
+    def get_stats(self) -> SchedulerStats:
+        bm = self.block_manager
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=bm.usage,
+            num_preemptions=self.num_preemptions,
+            prefix_cache_queries=bm.prefix_cache_queries,
+            prefix_cache_hits=bm.prefix_cache_hits,
+        )
+
+    # ---- one step ---------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's batch. Must alternate with `update_from_output`."""
+        if self._in_flight is not None:
+            raise RuntimeError("schedule() called again before update_from_output() of the previous step")
+        bm = self.block_manager
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledSequence] = []
+        preempted: list[Sequence] = []
+
+        # Running sequences, oldest first; a sequence that does not fit evicts the newest ones, then itself.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = self._num_new_tokens(seq, seq.num_computed_tokens, budget)
+            while not bm.can_append(seq, n) and self.running[-1] is not seq:
+                self._preempt(self.running.pop(), preempted)
+            if not bm.can_append(seq, n):
+                self._preempt(self.running.pop(), preempted)
+                break
+            bm.append_slots(seq, n)
+            scheduled.append(
+                ScheduledSequence(seq, seq.num_computed_tokens, n, n == seq.num_tokens - seq.num_computed_tokens)
+            )
+            budget -= n
+            i += 1
+
+        # Waiting sequences, FCFS; none after a preemption (they would only be evicted again).
+        seats = len(self.running) + sum(len(self._groups[s.request_id].pending_fork) for s in self.running)
+        while self.waiting and budget > 0 and not preempted:
+            seq = self.waiting[0]
+            group = self._groups[seq.request_id]
+            forks = len(group.pending_fork) if seq.sample_index == 0 else 0
+            if seats + 1 + forks > self.config.max_num_seqs:
+                break
+            hit = bm.lookup_prefix(seq)
+            n = self._num_new_tokens(seq, hit.num_tokens, budget)
+            fork_now = forks > 0 and hit.num_tokens == seq.num_prompt_tokens - 1
+            if fork_now:
+                n = 1  # the prefix cache already covers the shared part: fork, then compute the last token
+            if not bm.can_allocate(seq, n, hit):
+                break
+            self.waiting.pop(0)
+            seq.status = SequenceStatus.RUNNING
+            insort(self.running, seq, key=_KEY)
+            if fork_now:
+                bm.allocate(seq, 0, hit)
+                self._fork(group, seq)  # shares only full blocks: the last token starts a fresh block
+                bm.append_slots(seq, n)
+            else:
+                bm.allocate(seq, n, hit)
+            scheduled.append(ScheduledSequence(seq, hit.num_tokens, n, hit.num_tokens + n == seq.num_tokens))
+            budget -= n
+            seats += 1 + forks
+
+        out = SchedulerOutput(
+            scheduled=scheduled,
+            num_batched_tokens=self.config.max_num_batched_tokens - budget,
+            block_copies=bm.take_block_copies(),
+            block_size=self.config.block_size,
+            preempted_seq_ids=[s.seq_id for s in preempted],
+            finished_seq_ids=self._finished_ids,
+        )
+        self._finished_ids = []
+        self._in_flight = out
+        return out
+
+    def update_from_output(self, output: SchedulerOutput, sampled_token_ids: list[int]) -> list[Sequence]:
+        """Record the step: advance num_computed_tokens, register full blocks in the prefix cache,
+        append one sampled token per `output.sampled` entry (same order), fork parallel samples whose
+        shared prompt part is done. Returns the sequences this ended by length (max_tokens or
+        max_model_len) with status FINISHED_LENGTH; stop conditions on content are the engine's."""
+        if output is not self._in_flight:
+            raise ValueError("update_from_output() takes the SchedulerOutput of the latest schedule() call")
+        num_sampled = sum(1 for s in output.scheduled if s.sampled)
+        if len(sampled_token_ids) != num_sampled:
+            raise ValueError(
+                f"got {len(sampled_token_ids)} sampled token ids for {num_sampled} sampled sequences; "
+                "pass one per SchedulerOutput.sampled entry, in order"
+            )
+        self._in_flight = None
+        tokens = iter(sampled_token_ids)
+        ended: list[Sequence] = []
+        for entry in output.scheduled:
+            seq = entry.seq
+            token = int(next(tokens)) if entry.sampled else None
+            if seq.status is not SequenceStatus.RUNNING:  # aborted while the step ran
+                continue
+            seq.num_computed_tokens += entry.num_new_tokens
+            self.block_manager.cache_full_blocks(seq)
+            if token is not None:
+                seq.append_token(token)
+                if self._reached_length(seq):
+                    self._finish(seq, SequenceStatus.FINISHED_LENGTH)
+                    ended.append(seq)
+            elif seq.num_computed_tokens == seq.num_prompt_tokens - 1 and seq.sample_index == 0:
+                group = self._groups[seq.request_id]
+                if group.pending_fork:
+                    self._fork(group, seq)
+        return ended
+
+    # ---- internals --------------------------------------------------------------------------------
+
+    def _num_new_tokens(self, seq: Sequence, num_computed: int, budget: int) -> int:
+        n = seq.num_tokens - num_computed
+        if seq.sample_index == 0 and self._groups[seq.request_id].pending_fork:
+            n = max(1, seq.num_prompt_tokens - 1 - num_computed)  # the samples fork one token short
+        if self.config.long_prefill_token_threshold:
+            n = min(n, self.config.long_prefill_token_threshold)
+        return min(n, budget)
+
+    def _fork(self, group: SequenceGroup, parent: Sequence) -> None:
+        for child in group.pending_fork:
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.num_cached_tokens = parent.num_cached_tokens
+            self.block_manager.fork(parent, child)
+            child.status = SequenceStatus.RUNNING
+            insort(self.running, child, key=_KEY)
+        group.pending_fork = []
+
+    def _preempt(self, seq: Sequence, preempted: list[Sequence]) -> None:
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.PREEMPTED
+        insort(self.waiting, seq, key=_KEY)
+        self.num_preemptions += 1
+        preempted.append(seq)
+
+    def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        if seq.is_finished:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = status
+        self._finished_ids.append(seq.seq_id)
+        group = self._groups.get(seq.request_id)
+        if group is None:
+            return
+        if seq.sample_index == 0 and group.pending_fork:  # samples that never forked end with the parent
+            for child in group.pending_fork:
+                child.status = status
+                self._finished_ids.append(child.seq_id)
+            group.pending_fork = []
+        if group.is_finished:
+            del self._groups[seq.request_id]
+
+    def _reached_length(self, seq: Sequence) -> bool:
+        max_tokens = getattr(seq.sampling_params, "max_tokens", None)
+        if max_tokens is not None and seq.num_output_tokens >= max_tokens:
+            return True
+        return seq.num_tokens >= self.config.max_model_len
+
+    def _check_request(self, request_id: str, prompt_len: int, n: int, max_tokens: int | None) -> None:
+        cfg = self.config
+        if prompt_len == 0:
+            raise ValueError(f"request {request_id!r} has an empty prompt; pass at least one token id")
+        if prompt_len > cfg.max_model_len:
+            raise ValueError(
+                f"request {request_id!r}: the prompt has {prompt_len} tokens, more than max_model_len="
+                f"{cfg.max_model_len}; shorten the prompt or raise max_model_len"
+            )
+        if not 1 <= n <= cfg.max_num_seqs:
+            raise ValueError(
+                f"request {request_id!r} asks for n={n} samples; it must lie in [1, max_num_seqs="
+                f"{cfg.max_num_seqs}]; lower n or raise max_num_seqs"
+            )
+        if max_tokens is not None and max_tokens < 1:
+            raise ValueError(f"request {request_id!r}: max_tokens must be >= 1, got {max_tokens}")
+        # A sequence ends once it holds max_model_len tokens (a full-length prompt still gets one) or
+        # max_tokens outputs; the last token is never computed, so the KV holds at most final_len - 1.
+        final_len = max(cfg.max_model_len, prompt_len + 1)
+        if max_tokens is not None:
+            final_len = min(final_len, prompt_len + max_tokens)
+        blocks = self.block_manager.num_blocks_for(final_len - 1)
+        if blocks > cfg.num_blocks:
+            raise ValueError(
+                f"request {request_id!r}: {prompt_len} prompt tokens + up to {final_len - prompt_len} output "
+                f"tokens need {blocks} KV blocks of {cfg.block_size} tokens, but the pool has num_blocks="
+                f"{cfg.num_blocks}; lower max_tokens or max_model_len, or give the KV cache more memory"
+            )
