@@ -63,6 +63,25 @@ def test_apply_rotary_matches_ref_on_fused_qkv_views(
 
 
 @given(
+    heads=st.sampled_from([(40, 40), (64, 24), (17, 33)]),
+    is_neox=st.booleans(),
+    dtype=dtypes,
+    seed=seeds(),
+)
+def test_apply_rotary_many_heads_span_several_head_blocks(heads, is_neox, dtype, seed):
+    # head_dim 128 packs 16 heads per program: q and k each spill over several head blocks.
+    hq, hk = heads
+    tokens, head_dim = 3, 128
+    cache = _cache(head_dim)
+    positions = torch.tensor([MAX_POS - 1, 1, 77], device=DEVICE)
+    qkv, q, k = _fused_qkv(tokens, hq, hk, head_dim, dtype, seed, pad=0)
+    expected_q, expected_k = apply_rotary_ref(positions, q, k, cache, is_neox)
+    apply_rotary(positions, q, k, cache, is_neox)
+    assert_close(q, expected_q)
+    assert_close(k, expected_k)
+
+
+@given(
     tokens=num_tokens,
     head_dim=head_dims,
     fraction=rotary_fractions,

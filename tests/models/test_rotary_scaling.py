@@ -248,3 +248,14 @@ def test_yarn_attention_factor_default_formula():
         64, 4096, 10000.0, dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=1024)
     )
     assert factor == pytest.approx(0.1 * math.log(4.0) + 1.0)
+
+
+def test_rotary_cache_survives_meta_construction_and_to_empty():
+    # Loaders may build models under torch.device("meta") then to_empty(): the cache must stay real values.
+    scaling = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64)
+    reference = get_rope(64, 64, 256, 10000.0, scaling).cos_sin_cache
+    with torch.device("meta"):
+        rope = get_rope(64, 64, 256, 10000.0, scaling)
+    rope.to_empty(device=DEVICE)
+    assert rope.cos_sin_cache.device.type == DEVICE.type
+    torch.testing.assert_close(rope.cos_sin_cache.cpu(), reference, atol=0, rtol=0)

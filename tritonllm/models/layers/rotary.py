@@ -78,7 +78,7 @@ def _yarn_inv_freq(rotary_dim: int, base: float, scaling: dict[str, Any], factor
     low, high = max(low, 0), min(high, rotary_dim - 1)
     if low == high:
         high += 0.001  # avoid a zero-width ramp
-    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
     extrapolation = 1.0 - ramp  # 1: keep the original frequency (high freq), 0: interpolate by factor
     pos_freqs = base ** (torch.arange(0, rotary_dim, 2, device="cpu").float() / rotary_dim)
     return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
