@@ -1,0 +1,47 @@
+"""Everything an engine is built from, with vLLM's names and defaults where they mean the same."""
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True, kw_only=True)
+class EngineConfig:
+    model: str  # a local checkpoint directory or a Hugging Face hub id
+    tokenizer: str | None = None  # defaults to the model's directory
+    revision: str | None = None
+    dtype: str = "auto"  # auto (the checkpoint's), float16, bfloat16, float32
+    quantization: str | None = None  # None = as the checkpoint says; "awq" / "gptq" must agree with it
+    load_format: str = "auto"  # "dummy": random weights from config.json alone (benchmarks)
+    device: str | None = None  # default: cuda when available, else cpu through Triton's interpreter
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory: int | None = None  # bytes for the KV cache, on any device
+    num_gpu_blocks: int | None = None  # KV blocks, overriding both budgets above
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # default: max(8192, max_model_len)
+    enable_prefix_caching: bool = True
+    seed: int = 0
+
+    DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two (16 or 32 are typical), got {self.block_size}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must lie in (0, 1], got {self.gpu_memory_utilization}")
+        for name in ("max_model_len", "kv_cache_memory", "num_gpu_blocks", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1 (or None for the default), got {value}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+
+    def resolve_max_model_len(self, max_position_embeddings: int) -> int:
+        if self.max_model_len is None:
+            return max_position_embeddings
+        if self.max_model_len > max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings="
+                f"{max_position_embeddings}; lower max_model_len"
+            )
+        return self.max_model_len
