@@ -186,12 +186,11 @@ def load_weights(
             unexpected.append(name)
             continue
         loader = getattr(param, "weight_loader", default_weight_loader)
+        loaded[param_name].add(shard)  # present, even if it fails below: report it once, as mis-shaped
         try:
             loader(param, tensor, shard)
         except ValueError as e:
             mis_shaped.append(f"{name} ({e})")
-            continue
-        loaded[param_name].add(shard)
 
     missing = []
     for param_name, param in params.items():
