@@ -10,6 +10,8 @@ from safetensors.torch import save_file
 from tests.helpers import seeds
 from tests.models.checkpoints import hf_model, tiny_config, write_checkpoint
 from tests.models.paged_runner import PagedRunner
+from tritonllm.models import registry
+from tritonllm.models.llama import LlamaForCausalLM
 from tritonllm.models.loader import load_model, resolve_dtype, resolve_model_path
 from tritonllm.runtime.forward_context import set_forward_context
 
@@ -152,3 +154,27 @@ def test_missing_paths_and_offline_hub_ids(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError) as e:
         load_model("tritonllm-tests/no-such-model-7f3a", device="cpu")
     assert "tritonllm-tests/no-such-model-7f3a" in str(e.value) and "HF_HUB_OFFLINE" in str(e.value)
+
+
+class RenamedNormLlama(LlamaForCausalLM):
+    """A checkpoint that names the final norm differently and carries a tensor the model does not use."""
+
+    @staticmethod
+    def map_weight_name(name: str) -> str | None:
+        if name.endswith(".attn_scale"):
+            return None
+        return name.replace("model.final_layernorm.", "model.norm.")
+
+
+def test_map_weight_name_hook(tmp_path, monkeypatch):
+    monkeypatch.setattr(registry, "_paths", dict(registry._paths))
+    monkeypatch.setattr(registry, "_classes", dict(registry._classes))
+    registry.register_model("RenamedNormLlama", RenamedNormLlama)
+    config = tiny_config("LlamaForCausalLM")
+    tensors = _state_dict(config, seed=6)
+    tensors["model.final_layernorm.weight"] = tensors.pop("model.norm.weight")
+    tensors["model.layers.0.attn_scale"] = torch.ones(1)
+    _save(tmp_path, {**config, "architectures": ["RenamedNormLlama"]}, tensors)
+    model, cfg = load_model(str(tmp_path), device="cpu")
+    assert type(model) is RenamedNormLlama and cfg.architecture == "RenamedNormLlama"
+    assert torch.equal(model.model.norm.weight, tensors["model.final_layernorm.weight"])

@@ -169,6 +169,9 @@ def load_weights(
     """Load (name, tensor) pairs in Hugging Face naming into `model`; raise one error listing every problem."""
     packed = getattr(model, "packed_modules_mapping", _DEFAULT_PACKED)
     shard_of = {shard: (fused, i) for fused, shards in packed.items() for i, shard in enumerate(shards)}
+    # Optional hook for checkpoints whose names differ from the model's beyond the fused layers:
+    # map_weight_name(hf_name) -> the name to load into (before fusing), or None to skip the tensor.
+    rename = getattr(model, "map_weight_name", None)
     params = dict(model.named_parameters())
     loaded: dict[str, set[int | None]] = defaultdict(set)
     unexpected: list[str] = []
@@ -176,7 +179,10 @@ def load_weights(
     for name, tensor in weights:
         if name.endswith(_IGNORED_SUFFIXES) or (tie_word_embeddings and name == "lm_head.weight"):
             continue
-        parts = name.split(".")
+        target = rename(name) if rename is not None else name
+        if target is None:
+            continue
+        parts = target.split(".")
         shard: int | None = None
         if len(parts) >= 2 and parts[-2] in shard_of:
             parts[-2], shard = shard_of[parts[-2]]
