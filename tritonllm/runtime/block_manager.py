@@ -190,7 +190,10 @@ class BlockManager:
         self._grow(seq, end)
 
     def cache_full_blocks(self, seq: Sequence) -> None:
-        """Register the blocks of `seq` whose tokens are now all computed (call after each step)."""
+        """Register the blocks of `seq` whose tokens are now all computed (call after each step).
+
+        Only computed blocks are registered, so a prefix hit never points at KV the runner has not written.
+        """
         if not self.enable_prefix_caching:
             return
         num_full = seq.num_computed_tokens // self.block_size

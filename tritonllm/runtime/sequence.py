@@ -48,7 +48,7 @@ class Sequence:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at the latest admission
     block_table: list[int] = field(default_factory=list)  # physical block ids, one per block_size tokens
-    block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks of token_ids
+    block_hashes: list[bytes] = field(default_factory=list, repr=False)  # chained keys of its full blocks
 
     @property
     def num_tokens(self) -> int:

@@ -1,0 +1,392 @@
+import zlib
+from array import array
+from collections import Counter
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tritonllm.runtime.scheduler import Scheduler, SchedulerConfig
+from tritonllm.runtime.scheduler_output import SchedulerOutput
+from tritonllm.runtime.sequence import SequenceStatus
+
+VOCAB = 40
+EOS = 0
+
+
+@dataclass
+class Params:
+    """Stands in for SamplingParams: the scheduler reads only n and max_tokens."""
+
+    max_tokens: int | None = None
+    n: int = 1
+
+
+def next_token(context: list[tuple[int, int]], sample_index: int) -> int:
+    """The fake model: a deterministic function of the (token, position) pairs it reads from the KV cache."""
+    flat = [x for pair in context for x in pair] + [sample_index]
+    return zlib.crc32(array("q", flat).tobytes()) % VOCAB
+
+
+class FakeRunner:
+    """Executes a SchedulerOutput on a fake KV cache that stores (token id, position) per slot."""
+
+    def __init__(self, num_blocks: int, block_size: int):
+        self.kv: list[tuple[int, int] | None] = [None] * (num_blocks * block_size)
+
+    def execute(self, out: SchedulerOutput) -> list[int]:
+        bs = out.block_size
+        blocks = {src: self.kv[src * bs : (src + 1) * bs] for src, _ in out.block_copies}
+        for src, dst in out.block_copies:
+            self.kv[dst * bs : (dst + 1) * bs] = blocks[src]
+
+        def slot(entry, p):
+            return entry.block_table[p // bs] * bs + p % bs
+
+        for e in out.scheduled:  # a layer writes every new token's KV, then attends
+            for p, token in enumerate(e.new_token_ids, start=e.num_computed_tokens):
+                self.kv[slot(e, p)] = (token, p)
+        return [next_token([self.kv[slot(e, p)] for p in range(e.seq_len)], e.seq.sample_index) for e in out.sampled]
+
+
+def expected_outputs(prompt: list[int], params: Params, max_model_len: int) -> list[list[int]]:
+    """What each sample of a request generates when it runs alone."""
+    samples = []
+    for i in range(params.n):
+        tokens = list(prompt)
+        while True:
+            tokens.append(next_token([(t, p) for p, t in enumerate(tokens)], i))
+            out = len(tokens) - len(prompt)
+            if tokens[-1] == EOS or out == params.max_tokens or len(tokens) >= max_model_len:
+                break
+        samples.append(tokens[len(prompt) :])
+    return samples
+
+
+def check_step(sched: Scheduler, out: SchedulerOutput) -> None:
+    cfg, bm = sched.config, sched.block_manager
+    assert out.num_batched_tokens == sum(e.num_new_tokens for e in out.scheduled) <= cfg.max_num_batched_tokens
+    assert len(out.scheduled) <= cfg.max_num_seqs and len(sched.running) <= cfg.max_num_seqs
+    assert len({e.seq.seq_id for e in out.scheduled}) == len(out.scheduled)
+    for e in out.scheduled:
+        assert e.seq.status is SequenceStatus.RUNNING and e.num_new_tokens >= 1
+        assert e.sampled == (e.seq_len == e.seq.num_tokens)
+        assert len(e.block_table) == bm.num_blocks_for(e.seq_len)
+        if cfg.long_prefill_token_threshold:
+            assert e.num_new_tokens <= cfg.long_prefill_token_threshold
+    owners = Counter(b for s in sched.running for b in s.block_table)
+    assert all(bm.ref_counts[b] == owners.get(b, 0) for b in range(bm.num_blocks))
+    assert bm.get_num_free_blocks() + len(owners) == bm.num_blocks
+
+
+def run_engine(cfg: SchedulerConfig, requests, aborts=(), max_steps=5000):
+    """Continuous batching with requests arriving at their step; returns outputs per request and a log."""
+    sched, runner = Scheduler(cfg), FakeRunner(cfg.num_blocks, cfg.block_size)
+    groups, log = {}, Counter()
+    step = 0
+    while step <= max(r[3] for r in requests) or sched.has_unfinished_requests():
+        for rid, prompt, params, arrival in requests:
+            if arrival == step:
+                groups[rid] = sched.add_request(rid, prompt, params)
+        for rid, at in aborts:
+            if at == step:
+                sched.abort_request(rid)
+        out = sched.schedule()
+        check_step(sched, out)
+        log["preempted"] += len(out.preempted_seq_ids)
+        log["copies"] += len(out.block_copies)
+        log["chunks"] += sum(1 for e in out.scheduled if not e.sampled)
+        sched.update_from_output(out, runner.execute(out))
+        for e in out.sampled:  # the engine's own stop check
+            if not e.seq.is_finished and e.seq.token_ids[-1] == EOS:
+                sched.finish_sequence(e.seq)
+        step += 1
+        assert step < max_steps, "no progress"
+    bm = sched.block_manager
+    assert bm.get_num_free_blocks() == cfg.num_blocks and not sched.running and not sched.waiting
+    log["hits"] = bm.prefix_cache_hits
+    return {rid: [s.output_token_ids for s in g.seqs] for rid, g in groups.items()}, groups, log
+
+
+def step(sched: Scheduler, token: int = 1) -> SchedulerOutput:
+    out = sched.schedule()
+    sched.update_from_output(out, [token] * len(out.sampled))
+    return out
+
+
+# ---- the engine loop: everyone gets exactly what they get alone -----------------------------------------
+
+SHARED = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16], [3] * 9, []]
+
+
+@st.composite
+def workloads(draw):
+    block_size = draw(st.sampled_from([1, 2, 4, 16]))
+    requests = []
+    for i in range(draw(st.integers(2, 7))):
+        prompt = draw(st.sampled_from(SHARED)) + draw(st.lists(st.integers(1, VOCAB - 1), max_size=12))
+        params = Params(max_tokens=draw(st.sampled_from([1, 3, 9, None])), n=draw(st.sampled_from([1, 1, 2, 3])))
+        requests.append((f"r{i}", prompt or [1], params, draw(st.integers(0, 4))))
+    max_model_len = 40
+    need = -(-(max_model_len - 1) // block_size)  # the most one sequence can hold; a tight pool preempts
+    cfg = dict(
+        max_model_len=max_model_len,
+        block_size=block_size,
+        num_blocks=need + draw(st.sampled_from([0, 1, 4, 64])),
+        max_num_seqs=draw(st.sampled_from([3, 4, 256])),
+        max_num_batched_tokens=draw(st.sampled_from([1, 5, 16, 512])),
+        long_prefill_token_threshold=draw(st.sampled_from([0, 0, 7])),
+    )
+    aborts = draw(st.lists(st.tuples(st.sampled_from([r[0] for r in requests]), st.integers(0, 30)), max_size=2))
+    return cfg, requests, aborts
+
+
+@settings(max_examples=40)
+@given(workloads())
+def test_continuous_batching_matches_running_alone(workload):
+    cfg, requests, aborts = workload
+    results = {}
+    for caching in (True, False):
+        outputs, groups, _ = run_engine(SchedulerConfig(**cfg, enable_prefix_caching=caching), requests, aborts)
+        for rid, prompt, params, _ in requests:
+            expected = expected_outputs(prompt, params, cfg["max_model_len"])
+            for seq, want in zip(groups[rid].seqs, expected, strict=True):
+                if seq.status is SequenceStatus.FINISHED_ABORTED:
+                    assert want[: seq.num_output_tokens] == seq.output_token_ids  # a prefix of the real answer
+                else:
+                    assert seq.output_token_ids == want
+                    # Length is checked first (in update_from_output), content by the engine after.
+                    by_length = len(want) == params.max_tokens or seq.num_tokens >= cfg["max_model_len"]
+                    assert seq.status is (
+                        SequenceStatus.FINISHED_LENGTH if by_length else SequenceStatus.FINISHED_STOPPED
+                    )
+        results[caching] = outputs
+    assert results[True] == results[False]
+
+
+def test_engine_loop_exercises_chunking_preemption_prefix_cache_and_cow():
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12, 13]
+    requests = [(f"r{i}", prompt + [20 + i] * i, Params(max_tokens=12, n=1 + i % 3), i % 3) for i in range(6)]
+    for caching in (True, False):
+        cfg = SchedulerConfig(
+            max_model_len=64,
+            num_blocks=13,  # the longest request alone: 14 prompt + 11 computed output tokens
+            block_size=2,
+            max_num_batched_tokens=8,
+            enable_prefix_caching=caching,
+        )
+        outputs, _, log = run_engine(cfg, requests)
+        for rid, p, params, _ in requests:
+            assert outputs[rid] == expected_outputs(p, params, 64)
+        assert log["preempted"] > 0 and log["chunks"] > 0 and log["copies"] > 0
+        assert (log["hits"] > 0) == caching
+
+
+# ---- budget, chunked prefill, admission ---------------------------------------------------------------
+
+
+def test_token_budget_and_max_num_seqs():
+    cfg = SchedulerConfig(max_model_len=64, num_blocks=64, block_size=4, max_num_seqs=3, max_num_batched_tokens=16)
+    sched = Scheduler(cfg)
+    for i in range(5):
+        sched.add_request(f"r{i}", [i + 1] * 10, Params(max_tokens=3))
+    out = step(sched)
+    assert [(e.seq.request_id, e.num_computed_tokens, e.num_new_tokens, e.sampled) for e in out.scheduled] == [
+        ("r0", 0, 10, True),
+        ("r1", 0, 6, False),
+    ]
+    out = step(sched)
+    assert [(e.seq.request_id, e.num_computed_tokens, e.num_new_tokens, e.sampled) for e in out.scheduled] == [
+        ("r0", 10, 1, True),
+        ("r1", 6, 4, True),
+        ("r2", 0, 10, True),  # r3 would make 4 running sequences
+    ]
+    assert out.num_batched_tokens == 15 and sched.get_stats().num_waiting == 2
+    while sched.has_unfinished_requests():
+        out = step(sched)
+        assert out.num_batched_tokens <= 16 and len(sched.running) <= 3
+
+
+def test_chunked_prefill():
+    sched = Scheduler(SchedulerConfig(max_model_len=64, num_blocks=8, block_size=16, max_num_batched_tokens=16))
+    prompt = list(range(1, 51))
+    group = sched.add_request("r", prompt, Params(max_tokens=2))
+    entries = [step(sched, token=99).scheduled for _ in range(4)]
+    assert [(e.num_computed_tokens, e.num_new_tokens, e.sampled) for (e,) in entries] == [
+        (0, 16, False),
+        (16, 16, False),
+        (32, 16, False),
+        (48, 2, True),
+    ]
+    assert [e.new_token_ids for (e,) in entries] == [prompt[0:16], prompt[16:32], prompt[32:48], prompt[48:50]]
+    assert group.seqs[0].output_token_ids == [99]
+    (e,) = step(sched).scheduled
+    assert (e.num_computed_tokens, e.num_new_tokens, e.new_token_ids) == (50, 1, [99])
+    assert group.is_finished and group.seqs[0].status is SequenceStatus.FINISHED_LENGTH
+
+
+def test_long_prefill_threshold_shares_a_step():
+    cfg = SchedulerConfig(max_model_len=64, num_blocks=16, max_num_batched_tokens=16, long_prefill_token_threshold=8)
+    sched = Scheduler(cfg)
+    sched.add_request("a", [1] * 20)
+    sched.add_request("b", [2] * 20)
+    assert [e.num_new_tokens for e in step(sched).scheduled] == [8, 8]
+
+
+def test_preemption_evicts_newest_and_resumes_by_recompute():
+    cfg = SchedulerConfig(max_model_len=64, num_blocks=6, block_size=2, enable_prefix_caching=False)
+    sched = Scheduler(cfg)
+    seqs = [sched.add_request(f"r{i}", [i + 1] * 3, Params(max_tokens=6)).seqs[0] for i in range(3)]
+    step(sched, 7)  # 3 prompts of 3 tokens: 2 blocks each, the pool is full
+    step(sched, 8)  # decodes at position 3 still fit
+    out = step(sched, 9)  # position 4 needs a third block: the newest sequence goes
+    victim = seqs[2]
+    assert out.preempted_seq_ids == [victim.seq_id] and sched.get_stats().num_preemptions == 1
+    assert [e.seq for e in out.scheduled] == seqs[:2]
+    assert victim.status is SequenceStatus.PREEMPTED and victim.num_computed_tokens == 0
+    assert victim.block_table == [] and sched.waiting == [victim]
+    assert victim.output_token_ids == [7, 8]  # kept: the recompute covers them
+    while victim.status is not SequenceStatus.RUNNING:
+        out = step(sched, 5)
+    (resumed,) = [e for e in out.scheduled if e.seq is victim]
+    assert (resumed.num_computed_tokens, resumed.new_token_ids, resumed.sampled) == (0, [3, 3, 3, 7, 8], True)
+
+
+def test_preempted_sequence_reuses_its_cached_blocks():
+    sched = Scheduler(SchedulerConfig(max_model_len=64, num_blocks=8, block_size=2))
+    seqs = [sched.add_request(f"r{i}", [i + 1] * 3, Params(max_tokens=4)).seqs[0] for i in range(3)]
+    for _ in range(3):  # r2 fills blocks [3, 3] [3, 7] by its first decode, then is preempted
+        out = step(sched, 7)
+    assert out.preempted_seq_ids == [seqs[2].seq_id]
+    while seqs[2].status is not SequenceStatus.RUNNING:
+        out = step(sched, 7)
+    (resumed,) = [e for e in out.scheduled if e.seq is seqs[2]]
+    assert (resumed.num_computed_tokens, resumed.new_token_ids) == (4, [7])
+    assert seqs[2].num_cached_tokens == 4
+
+
+def test_requests_that_can_never_run_are_rejected_at_add_time():
+    cfg = SchedulerConfig(max_model_len=32, num_blocks=4, block_size=4, max_num_seqs=4)
+    sched = Scheduler(cfg)
+    with pytest.raises(ValueError, match=r"33 tokens, more than max_model_len=32"):
+        sched.add_request("long", [1] * 33)
+    with pytest.raises(ValueError, match=r"need 5 KV blocks .* num_blocks=4"):
+        sched.add_request("big", [1] * 10, Params(max_tokens=11))
+    with pytest.raises(ValueError, match=r"need 8 KV blocks .* num_blocks=4"):
+        sched.add_request("unbounded", [1] * 10, Params(max_tokens=None))
+    with pytest.raises(ValueError, match=r"n=5 .* max_num_seqs=4"):
+        sched.add_request("wide", [1], Params(max_tokens=1, n=5))
+    with pytest.raises(ValueError, match="empty prompt"):
+        sched.add_request("empty", [], Params(max_tokens=1))
+    assert not sched.has_unfinished_requests()
+    group = sched.add_request("fits", [1] * 10, Params(max_tokens=7))  # 16 tokens in KV: exactly 4 blocks
+    with pytest.raises(ValueError, match="already in use"):
+        sched.add_request("fits", [1], Params(max_tokens=1))
+    while sched.has_unfinished_requests():
+        step(sched)
+    assert group.seqs[0].num_output_tokens == 7 and sched.get_stats().num_preemptions == 0
+
+
+def test_full_length_prompt_gets_one_token():
+    sched = Scheduler(SchedulerConfig(max_model_len=8, num_blocks=2, block_size=4))
+    group = sched.add_request("r", [1] * 8)
+    step(sched, 3)
+    assert group.seqs[0].output_token_ids == [3] and group.seqs[0].status is SequenceStatus.FINISHED_LENGTH
+
+
+# ---- aborts, fork, errors ------------------------------------------------------------------------------
+
+
+def test_abort_frees_blocks_at_once():
+    cfg = SchedulerConfig(max_model_len=64, num_blocks=8, block_size=4, max_num_batched_tokens=8)
+    sched = Scheduler(cfg)
+    running = sched.add_request("run", [1] * 12, Params(max_tokens=4))
+    waiting = sched.add_request("wait", [2] * 12, Params(max_tokens=4))
+    step(sched)
+    assert sched.block_manager.get_num_free_blocks() == 6
+    assert sched.abort_request("run") and sched.abort_request("wait")
+    assert sched.block_manager.get_num_free_blocks() == 8
+    assert running.seqs[0].status is waiting.seqs[0].status is SequenceStatus.FINISHED_ABORTED
+    assert not sched.has_unfinished_requests() and not sched.abort_request("run")
+    out = sched.schedule()
+    assert out.is_empty and sorted(out.finished_seq_ids) == [running.seqs[0].seq_id, waiting.seqs[0].seq_id]
+    sched.update_from_output(out, [])
+
+
+def test_abort_during_a_step_is_skipped_by_the_update():
+    sched = Scheduler(SchedulerConfig(max_model_len=64, num_blocks=8, block_size=4))
+    group = sched.add_request("r", [1] * 5, Params(max_tokens=4, n=2))
+    out = sched.schedule()
+    assert sched.abort_request("r")
+    assert sched.update_from_output(out, []) == []
+    assert all(s.status is SequenceStatus.FINISHED_ABORTED for s in group.seqs)  # the unforked sample too
+    assert group.seqs[0].num_computed_tokens == 0 and sched.block_manager.get_num_free_blocks() == 8
+
+
+def test_parallel_samples_fork_and_copy_on_write():
+    sched = Scheduler(SchedulerConfig(max_model_len=64, num_blocks=16, block_size=4))
+    group = sched.add_request("r", [1, 2, 3, 4, 5, 6], Params(max_tokens=2, n=3))
+    parent, *children = group.seqs
+    (e,) = step(sched).scheduled  # the prompt, one token short: nothing sampled yet
+    assert (e.seq, e.num_new_tokens, e.sampled) == (parent, 5, False)
+    assert all(c.status is SequenceStatus.RUNNING and c.block_table == parent.block_table for c in children)
+    full, shared = parent.block_table
+    assert sched.block_manager.ref_counts[full] == sched.block_manager.ref_counts[shared] == 3
+    out = sched.schedule()
+    assert [(x.seq, x.num_computed_tokens, x.num_new_tokens, x.sampled) for x in out.scheduled] == [
+        (s, 5, 1, True) for s in group.seqs
+    ]
+    # The first two writers copy the shared partial block; the last one owns it by then.
+    assert [src for src, _ in out.block_copies] == [shared, shared]
+    assert [dst for _, dst in out.block_copies] == [parent.block_table[1], children[0].block_table[1]]
+    assert children[1].block_table == [full, shared]
+    assert all(s.block_table[0] == full for s in group.seqs)
+    sched.update_from_output(out, [7, 8, 9])
+    assert [s.output_token_ids for s in group.seqs] == [[7], [8], [9]]
+
+
+def test_parallel_samples_fork_at_admission_on_a_prefix_hit():
+    sched = Scheduler(SchedulerConfig(max_model_len=64, num_blocks=16, block_size=4))
+    sched.add_request("first", [1, 2, 3, 4, 5], Params(max_tokens=1))
+    step(sched)
+    group = sched.add_request("second", [1, 2, 3, 4, 5], Params(max_tokens=1, n=3))
+    out = sched.schedule()  # 4 tokens cached = the fork point: fork, the parent computes the last token
+    assert [(e.seq, e.num_computed_tokens, e.num_new_tokens, e.sampled) for e in out.scheduled] == [
+        (group.seqs[0], 4, 1, True)
+    ]
+    assert out.block_copies == [] and sched.running == group.seqs
+    assert all(s.num_computed_tokens == 4 and s.num_cached_tokens == 4 for s in group.seqs)
+    sched.update_from_output(out, [1])
+    out = step(sched)
+    assert [e.seq for e in out.scheduled] == group.seqs[1:] and out.block_copies == []
+    assert group.is_finished and sched.block_manager.get_num_free_blocks() == 16
+
+
+def test_misuse_is_reported():
+    sched = Scheduler(SchedulerConfig(max_model_len=64, num_blocks=8))
+    sched.add_request("r", [1, 2, 3])
+    out = sched.schedule()
+    with pytest.raises(RuntimeError, match="before update_from_output"):
+        sched.schedule()
+    with pytest.raises(ValueError, match="one per SchedulerOutput.sampled"):
+        sched.update_from_output(out, [])
+    sched.update_from_output(out, [4])
+    with pytest.raises(ValueError, match="latest schedule"):
+        sched.update_from_output(out, [4])
+    with pytest.raises(ValueError, match=">= 1"):
+        SchedulerConfig(max_model_len=64, num_blocks=0)
+
+
+def test_stats():
+    sched = Scheduler(SchedulerConfig(max_model_len=64, num_blocks=10, block_size=4))
+    sched.add_request("a", list(range(1, 10)), Params(max_tokens=1))
+    step(sched)
+    sched.add_request("b", list(range(1, 10)), Params(max_tokens=5))
+    sched.add_request("c", [7] * 30, Params(max_tokens=5))
+    step(sched)
+    stats = sched.get_stats()
+    assert (stats.num_running, stats.num_waiting, stats.num_preemptions) == (1, 1, 0)
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (18, 8)
+    assert stats.prefix_cache_hit_rate == pytest.approx(8 / 18)
+    assert stats.kv_cache_usage == pytest.approx(0.3)
