@@ -39,37 +39,37 @@ class QuantGemmConfig:
 
 
 @functools.lru_cache(maxsize=8)
-def _num_sms(device_index: int) -> int:
+def num_sms(device_index: int = 0) -> int:
+    """Streaming multiprocessors of the GPU; a small stand-in under the interpreter, which runs programs in turn."""
     if INTERPRET or not torch.cuda.is_available():
-        return 4  # the interpreter runs programs one by one: keep grids small
+        return 4
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def quant_gemm_config(m: int, n: int, k: int, group_size: int, device_index: int = 0) -> QuantGemmConfig:
-    """Every launch heuristic of the fused GEMM in one place.
+def quant_gemm_config(m: int, n: int, k: int, group_size: int, sms: int | None = None) -> QuantGemmConfig:
+    """Every launch heuristic of the fused GEMM in one place (`sms`: the GPU's SM count, default the current one).
 
     BLOCK_K divides the group size when it can, so a K tile reads one row of scales and zeros. Small M (decode)
-    splits K until the grid covers the SMs about twice: the kernel is bound by reading the packed weight, and
-    a batch of one has only cdiv(N, BLOCK_N) tiles otherwise.
+    splits K until the grid covers the SMs about twice: the kernel is bound by reading the packed weight, and a
+    batch of one has only cdiv(N, BLOCK_N) tiles otherwise. Large M runs unsplit with wide tiles.
     """
+    sms = sms or num_sms()
     group = k if group_size == -1 else group_size
     block_k = next((b for b in (128, 64, 32, 16) if group % b == 0 or group >= k), 32)
     if m <= 16:
-        block_m, block_n, block_k = 16, 64, min(block_k, 128)
+        block_m, block_n = 16, 64
         num_warps, num_stages = 4, 4
     elif m <= 64:
-        block_m, block_n, block_k = 32 if m <= 32 else 64, 64, min(block_k, 64)
+        block_m, block_n, block_k = (32 if m <= 32 else 64), 64, min(block_k, 64)
         num_warps, num_stages = 4, 4
     else:
         block_m, block_n, block_k = (64 if m <= 128 else 128), 128, min(block_k, 64)
         num_warps, num_stages = 8, 3
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    k_tiles = triton.cdiv(k, block_k)
     split_k = 1
     if m <= 64:
-        target = 2 * _num_sms(device_index)
-        # Each split keeps at least 4 K tiles so that the workspace round trip stays small next to the weights.
-        split_k = max(1, min(target // max(tiles, 1), k_tiles // 4, 16))
+        # Each split keeps at least 4 K tiles so the fp32 workspace round trip stays small next to the weights.
+        split_k = max(1, min(2 * sms // tiles, triton.cdiv(k, block_k) // 4, 16))
     return QuantGemmConfig(block_m, block_n, block_k, split_k, num_warps, num_stages)
 
 
@@ -235,7 +235,7 @@ def _launch(x, qweight, qzeros, scales, perm, bias, n, bits, group_size, awq, ze
     if m == 0:
         return out.reshape(*lead, n)
     group = k if group_size == -1 else group_size
-    cfg = config or quant_gemm_config(m, n, k, group_size, x.device.index or 0)
+    cfg = config or quant_gemm_config(m, n, k, group_size, num_sms(x.device.index or 0))
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     split_k = triton.cdiv(k, k_per_split)  # no empty splits
     partial = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device) if split_k > 1 else out

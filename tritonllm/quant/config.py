@@ -86,7 +86,7 @@ def get_quant_config(
     method = detect_method(qc, source)
     if wanted is not None and wanted != method:
         raise ValueError(
-            f"quantization={wanted!r} was requested but {source} declares a {method!r} checkpoint; "
+            f"quantization={wanted!r} was requested but {source} declares {method!r}; "
             f"pass quantization={method!r} or leave it unset to detect it"
         )
     if method == "awq":

@@ -104,7 +104,7 @@ def unpack_bits(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     return out.to(torch.int32).movedim(-1, dim).contiguous()
 
 
-def _awq_pack(ints: torch.Tensor) -> torch.Tensor:
+def pack_awq_int(ints: torch.Tensor) -> torch.Tensor:
     """[R, N] 4-bit ints -> [R, N // 8] int32 words in AWQ's interleaved nibble order."""
     rows, n = ints.shape
     if n % 8:
@@ -113,7 +113,7 @@ def _awq_pack(ints: torch.Tensor) -> torch.Tensor:
     return pack_bits(grouped.reshape(rows, n), 4, dim=1)
 
 
-def _awq_unpack(words: torch.Tensor) -> torch.Tensor:
+def unpack_awq_int(words: torch.Tensor) -> torch.Tensor:
     """[R, N // 8] AWQ words -> [R, N] 4-bit ints in column order."""
     nibbles = unpack_bits(words, 4, dim=1)
     rows, n = nibbles.shape
@@ -169,8 +169,8 @@ def pack_awq(weight: torch.Tensor, group_size: int = 128) -> AwqWeights:
     g_idx = torch.arange(k, device=weight.device) // g
     q, zeros, scales = _quantize(weight.float(), g_idx, k // g, bits=4, sym=False, min_zero=0)
     return AwqWeights(
-        qweight=_awq_pack(q.t().contiguous()),
-        qzeros=_awq_pack(zeros.t().contiguous()),
+        qweight=pack_awq_int(q.t().contiguous()),
+        qzeros=pack_awq_int(zeros.t().contiguous()),
         scales=scales.t().contiguous(),
     )
 
@@ -226,7 +226,7 @@ def pack_gptq(
 
 def unpack_awq(qweight: torch.Tensor, qzeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """AWQ qweight [K, N // 8], qzeros [G, N // 8] -> ints [K, N] and zeros [G, N] in column order."""
-    return _awq_unpack(qweight), _awq_unpack(qzeros)
+    return unpack_awq_int(qweight), unpack_awq_int(qzeros)
 
 
 def unpack_gptq(
