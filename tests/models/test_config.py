@@ -50,7 +50,7 @@ def test_fields_and_sliding_windows_match_transformers(case):
 
     arch, d = case
     hf_config = AutoConfig.for_model(**d)
-    # What we parse is the config.json transformers itself writes.
+    # What we parse is the config.json transformers itself writes (and, for the windows, the dict as drawn).
     cfg = ModelConfig.from_dict(json.loads(hf_config.to_json_string()))
     assert cfg.architectures == [arch]
     assert cfg.num_attention_heads == hf_config.num_attention_heads
@@ -63,11 +63,11 @@ def test_fields_and_sliding_windows_match_transformers(case):
     assert cfg.vocab_size == hf_config.vocab_size and cfg.intermediate_size == hf_config.intermediate_size
 
     # Per-layer windows: ours from the model class, transformers' from its modules (Mistral's live on the config).
-    ours = [layer.sliding_window for layer in get_model_class(arch)(cfg).attention_layers()]
     hf = AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager")
     default = getattr(hf_config, "sliding_window", None)
     theirs = [getattr(layer.self_attn, "sliding_window", default) for layer in hf.model.layers]
-    assert ours == theirs
+    for parsed in (cfg, ModelConfig.from_dict(d)):
+        assert [layer.sliding_window for layer in get_model_class(arch)(parsed).attention_layers()] == theirs
 
 
 def test_defaults_from_a_minimal_config():
@@ -134,3 +134,32 @@ def test_bad_files_and_shapes(tmp_path):
     del bad["head_dim"]
     with pytest.raises(ValueError, match="head_dim"):
         ModelConfig.from_dict(bad)
+
+
+@pytest.mark.parametrize("arch", ["Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"])
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        ({"use_sliding_window": False, "max_window_layers": 0}, [None, None, None]),
+        ({"use_sliding_window": True, "max_window_layers": 1}, [None, 4, 4]),
+        ({"use_sliding_window": True, "max_window_layers": 3}, [None, None, None]),
+        (
+            {"use_sliding_window": True, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]},
+            [4, None, 4],
+        ),
+        ({"use_sliding_window": True, "max_window_layers": 0, "sliding_window": None}, [None, None, None]),
+    ],
+)
+def test_qwen2_window_rule(arch, extra, expected):
+    """Qwen2/Qwen3 follow use_sliding_window, max_window_layers and layer_types; Mistral slides every layer.
+
+    Parsed both from the dict as written (older files carry no layer_types) and from transformers' re-save."""
+    from transformers import AutoConfig
+
+    d = tiny_config(arch, **{"num_hidden_layers": 3, "sliding_window": 4, **extra})
+    if arch == "MistralForCausalLM":
+        expected = [d["sliding_window"]] * 3
+    resaved = json.loads(AutoConfig.for_model(**d).to_json_string())
+    for source in (d, resaved):
+        cfg = ModelConfig.from_dict(source)
+        assert [layer.sliding_window for layer in get_model_class(arch)(cfg).attention_layers()] == expected
