@@ -1,0 +1,7 @@
+"""`python -m tritonllm ...` is the `tritonllm` command."""
+
+import sys
+
+from tritonllm.entrypoints.cli import main
+
+sys.exit(main())
