@@ -16,8 +16,10 @@ keyed by the request's 64-bit seed with the counter (v, position). A token's noi
 vocab is tiled, and again after preemption and recompute. Distinct positions use disjoint counters, so
 they never share noise.
 
-E = -log(1 - U) is computed in a log1p-accurate form: small E decides whether rare tokens win, and
--log(U) would quantize it to float32's 6e-8 grid just below 1.
+E = -log(1 - U) keeps full relative precision where it matters: small E decides the winner in flat
+distributions over big vocabs (the winner's E is about 1/V), and both -log(U) (U rounds to float32's grid
+just below 1) and a log near 1 (tl.log is lg2.approx on NVIDIA GPUs, accurate in absolute terms only)
+would lose it. So E comes from the series u + u^2/2 + u^3/3 + u^4/4 for u < 1/64 and from -log(1 - u) above.
 """
 
 import torch
@@ -103,9 +105,9 @@ def _sample_kernel(
         positions = tl.load(positions_ptr + rows, mask=row_mask, other=0)[:, None] & 0xFFFFFFFF
         # Philox keyed by each row's seed, counter (v, position): tl.rand broadcasts a [rows, 1] key.
         u = tl.rand(seeds, (positions << 32) | offs[None, :].to(tl.int64)) + HALF_STEP
-        # E = -log1p(-u), exact for small u where 1 - u rounds (Goldberg's log1p).
-        w = 1.0 - u
-        exp_noise = tl.where(w == 1.0, u, tl.log(w) * u / (w - 1.0))
+        # E = -log(1 - u): a series where u is small (truncation error < u^4 / 5), the log elsewhere.
+        series = u * (1.0 + u * (0.5 + u * (0.3333333333333333 + u * 0.25)))
+        exp_noise = tl.where(u < 0.015625, series, -tl.log(1.0 - u))
         sampled = temperature > 0
         inv_temperature = tl.where(sampled, 1.0 / tl.where(sampled, temperature, 1.0), 1.0)
         scores = tl.where(sampled, scores * inv_temperature - tl.log(exp_noise), scores)
