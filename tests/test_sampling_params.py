@@ -82,4 +82,6 @@ def test_greedy_threshold_and_stop_tokens():
     assert not SamplingParams(temperature=0.01).is_greedy
     assert SamplingParams(stop_token_ids=[5, 7]).stop_token_set(2) == {2, 5, 7}
     assert SamplingParams(stop_token_ids=[5], ignore_eos=True).stop_token_set(2) == {5}
+    assert SamplingParams(stop_token_ids=[5]).stop_token_set(frozenset({2, 3})) == {2, 3, 5}
+    assert SamplingParams().stop_token_set(None) == set()
     assert SamplingParams(repetition_penalty=1.1).has_penalties

@@ -1,5 +1,6 @@
 """How one request samples and when it stops: the user-facing knobs, validated once at construction."""
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 # Below this temperature a request samples greedily (as vLLM does): logits / 1e-6 only overflows.
@@ -116,9 +117,9 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
-    def stop_token_set(self, eos_token_id: int | None) -> set[int]:
-        """Token ids that end generation: stop_token_ids, plus EOS unless ignore_eos."""
+    def stop_token_set(self, eos_token_ids: int | Iterable[int] | None) -> set[int]:
+        """Token ids that end generation: stop_token_ids, plus the EOS id(s) unless ignore_eos."""
         ids = set(self.stop_token_ids or [])
-        if eos_token_id is not None and not self.ignore_eos:
-            ids.add(eos_token_id)
+        if eos_token_ids is not None and not self.ignore_eos:
+            ids.update([eos_token_ids] if isinstance(eos_token_ids, int) else eos_token_ids)
         return ids

@@ -220,9 +220,10 @@ def test_min_tokens_bans_stop_tokens_until_reached(seed, v):
     logits[:, 0] = 100.0  # EOS dominates
     logits[:, 1 % v] = 90.0
     params = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[1 % v])
-    meta = SamplingMetadata.build([params] * 3, [[2]] * 3, [[], [3], [3, 3]], v, eos_token_id=0, device=DEVICE)
+    eos = frozenset({0, 2 % v})  # several EOS ids, as Llama 3 lists
+    meta = SamplingMetadata.build([params] * 3, [[2]] * 3, [[], [3], [3, 3]], v, eos_token_id=eos, device=DEVICE)
     tokens = Sampler()(logits, meta).sampled_token_ids.tolist()
-    assert tokens[0] not in (0, 1 % v) and tokens[1] not in (0, 1 % v)
+    assert tokens[0] not in (0, 1 % v, 2 % v) and tokens[1] not in (0, 1 % v, 2 % v)
     assert tokens[2] == 0
 
 

@@ -9,7 +9,7 @@ Log-probabilities are vLLM's default "raw" ones: log_softmax of the model's logi
 penalties, temperature or filtering, so they describe the model rather than the sampling recipe.
 """
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -82,13 +82,14 @@ class SamplingMetadata:
         output_token_ids: Sequence[Sequence[int]],
         vocab_size: int,
         *,
-        eos_token_id: int | None = None,
+        eos_token_id: int | Collection[int] | None = None,
         sample_indices: Sequence[int] | None = None,
         device: torch.device | str = "cpu",
     ) -> "SamplingMetadata":
         """One row per entry: its request's params, prompt and output so far (the token being sampled comes
         next). sample_indices: which of the request's n samples each row is (seeded rows use seed + index,
-        as vLLM does). eos_token_id joins the stop tokens that min_tokens bans (unless ignore_eos)."""
+        as vLLM does). eos_token_id (one id or several, as Llama 3 lists) joins the stop tokens that min_tokens
+        bans (unless ignore_eos)."""
         n = len(params)
         if not len(prompt_token_ids) == len(output_token_ids) == n:
             raise ValueError(
