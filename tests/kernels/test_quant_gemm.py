@@ -7,14 +7,8 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from tests.helpers import DEVICE, assert_close, dtypes, randn, seeds
-from tritonllm.kernels.quant_gemm import (
-    QuantGemmConfig,
-    awq_gemm,
-    awq_gemm_ref,
-    gptq_gemm,
-    gptq_gemm_ref,
-    quant_gemm_config,
-)
+from tritonllm.kernels.quant_gemm import awq_gemm, awq_gemm_ref, gptq_gemm, gptq_gemm_ref
+from tritonllm.kernels.quant_gemm_config import QuantGemmConfig, quant_gemm_config
 from tritonllm.quant.pack import pack_awq_int, pack_bits
 
 # Operands are rounded to the activation dtype before the dot (the weight after dequantization), so the error is

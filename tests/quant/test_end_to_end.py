@@ -4,7 +4,7 @@ transformers model holding the dequantized float weights."""
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import Phase, given, settings
 
 from tests.helpers import seeds
 from tests.models.checkpoints import hf_logits, tiny_config
@@ -52,7 +52,8 @@ CASES = [
     ("arch", "overrides", "quant", "legacy_file", "skip", "quantization"),
     [pytest.param(*case[1:], id=case[0]) for case in CASES],
 )
-@settings(max_examples=1)
+# One example each; no shrinking (a seed is an opaque integer, and every run builds and loads a model).
+@settings(max_examples=1, phases=(Phase.explicit, Phase.reuse, Phase.generate))
 @given(seed=seeds())
 def test_quantized_checkpoint_matches_dequantized_model(
     arch, overrides, quant, legacy_file, skip, quantization, seed, tmp_path_factory

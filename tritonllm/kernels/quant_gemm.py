@@ -2,7 +2,7 @@
 
 The kernel reads the packed int32 words of each [BLOCK_K, BLOCK_N] tile, dequantizes them in registers
 ((q - z) * s in fp32), casts to the activation dtype and feeds tl.dot with an fp32 accumulator. One kernel, two
-regimes picked by `quant_gemm_config` from M:
+regimes picked by `quant_gemm_config` (quant_gemm_config.py, every launch heuristic) from M:
   * small M (decode): split-K, so that a batch of one still spreads over every SM; partial sums go to an fp32
     workspace [SPLIT_K, M, N] reduced (plus bias) by a second small kernel;
   * large M (prefill): no split, wider M tiles, bias fused into the epilogue.
@@ -15,62 +15,15 @@ Layouts (g = group size, K = input features, N = output features):
           permuted at load time so that holds, and `perm` [K] maps row i back to its input feature (x[:, perm[i]]).
 """
 
-import functools
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
 from tritonllm.kernels.quant_dequant import awq_dequantize_ref, gptq_dequantize_ref
+from tritonllm.kernels.quant_gemm_config import QuantGemmConfig, num_sms, quant_gemm_config
 from tritonllm.platform import INTERPRET, check_kernel_device
 
 FUSED_GPTQ_BITS = (2, 4, 8)
-
-
-@dataclass(slots=True, frozen=True)
-class QuantGemmConfig:
-    block_m: int
-    block_n: int
-    block_k: int
-    split_k: int
-    num_warps: int
-    num_stages: int
-
-
-@functools.lru_cache(maxsize=8)
-def num_sms(device_index: int = 0) -> int:
-    """Streaming multiprocessors of the GPU; a small stand-in under the interpreter, which runs programs in turn."""
-    if INTERPRET or not torch.cuda.is_available():
-        return 4
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def quant_gemm_config(m: int, n: int, k: int, group_size: int, sms: int | None = None) -> QuantGemmConfig:
-    """Every launch heuristic of the fused GEMM in one place (`sms`: the GPU's SM count, default the current one).
-
-    BLOCK_K divides the group size when it can, so a K tile reads one row of scales and zeros. Small M (decode)
-    splits K until the grid covers the SMs about twice: the kernel is bound by reading the packed weight, and a
-    batch of one has only cdiv(N, BLOCK_N) tiles otherwise. Large M runs unsplit with wide tiles.
-    """
-    sms = sms or num_sms()
-    group = k if group_size == -1 else group_size
-    block_k = next((b for b in (128, 64, 32, 16) if group % b == 0 or group >= k), 32)
-    if m <= 16:
-        block_m, block_n = 16, 64
-        num_warps, num_stages = 4, 4
-    elif m <= 64:
-        block_m, block_n, block_k = (32 if m <= 32 else 64), 64, min(block_k, 64)
-        num_warps, num_stages = 4, 4
-    else:
-        block_m, block_n, block_k = (64 if m <= 128 else 128), 128, min(block_k, 64)
-        num_warps, num_stages = 8, 3
-    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    split_k = 1
-    if m <= 64:
-        # Each split keeps at least 4 K tiles so the fp32 workspace round trip stays small next to the weights.
-        split_k = max(1, min(2 * sms // tiles, triton.cdiv(k, block_k) // 4, 16))
-    return QuantGemmConfig(block_m, block_n, block_k, split_k, num_warps, num_stages)
 
 
 @triton.jit
