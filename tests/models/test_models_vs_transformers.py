@@ -51,6 +51,9 @@ def test_prefill_and_decode_match_transformers(arch, seed, prompt_len, data, tmp
     torch.testing.assert_close(ours, expected, **FP32_TOL)
 
 
+# paged_attention writes only the rows of real tokens; padding rows keep uninitialised values, which may
+# overflow on their way through the MLP. They are row-local and never read.
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 @pytest.mark.parametrize("arch", ARCHS)
 @MODEL_SETTINGS
 @given(seed=seeds(), lens=st.lists(st.integers(2, 7), min_size=3, max_size=3))
