@@ -176,7 +176,7 @@ def _split_k_reduce_kernel(
 def _launch(x, qweight, qzeros, scales, perm, bias, n, bits, group_size, awq, zero_offset, config) -> torch.Tensor:
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"activations must be float16, bfloat16 or float32, got {x.dtype}")
-    if x.shape[-1] == 0 or x.dim() < 1:
+    if x.dim() < 1 or x.shape[-1] == 0:
         raise ValueError(f"x must be [..., K] with K > 0, got {tuple(x.shape)}")
     if bias is not None and (bias.shape != (n,) or not bias.is_contiguous()):
         raise ValueError(f"bias must be a contiguous [N={n}] tensor, got {tuple(bias.shape)}")
@@ -191,8 +191,8 @@ def _launch(x, qweight, qzeros, scales, perm, bias, n, bits, group_size, awq, ze
     cfg = config or quant_gemm_config(m, n, k, group_size, num_sms(x.device.index or 0))
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     split_k = triton.cdiv(k, k_per_split)  # no empty splits
-    partial = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device) if split_k > 1 else out
-    target = partial
+    # Split-K programs write fp32 partial sums [SPLIT_K, M, N]; unsplit ones write y directly.
+    target = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device) if split_k > 1 else out
     grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), split_k)
     _quant_gemm_kernel[grid](
         x2,
@@ -236,13 +236,13 @@ def _launch(x, qweight, qzeros, scales, perm, bias, n, bits, group_size, awq, ze
     if split_k > 1:
         block_n = 256
         _split_k_reduce_kernel[(m, triton.cdiv(n, block_n))](
-            partial,
-            bias if bias is not None else partial,
+            target,
+            bias if bias is not None else target,
             out,
             n,
             split_k,
-            partial.stride(0),
-            partial.stride(1),
+            target.stride(0),
+            target.stride(1),
             out.stride(0),
             HAS_BIAS=bias is not None,
             BLOCK_N=block_n,
