@@ -5,24 +5,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tests.helpers import DEVICE, ODD_SIZES, assert_close, dtypes, num_tokens, randn, seeds
-from tritonllm.kernels.sampling import apply_penalties, apply_penalties_ref, sample, sample_probs_ref
-
-vocab_sizes = st.sampled_from([8, 64] + ODD_SIZES)
-
-
-def _penalty_inputs(n: int, v: int, seed: int) -> tuple[torch.Tensor, ...]:
-    """Prompt mask, output counts and per-row penalties; about a third of the rows have no penalty at all."""
-    g = torch.Generator().manual_seed(seed)
-    prompt_mask = torch.rand(n, v, generator=g) < 0.3
-    output_counts = torch.randint(0, 4, (n, v), generator=g, dtype=torch.int32) * (torch.rand(n, v, generator=g) < 0.2)
-    repetition = torch.rand(n, generator=g) * 1.5 + 0.5
-    presence = torch.rand(n, generator=g) * 4 - 2
-    frequency = torch.rand(n, generator=g) * 4 - 2
-    off = torch.rand(n, generator=g) < 0.33
-    repetition[off], presence[off], frequency[off] = 1.0, 0.0, 0.0
-    tensors = (prompt_mask, output_counts.to(torch.int32), repetition, presence, frequency)
-    return tuple(t.to(DEVICE) for t in tensors)
+from tests.helpers import DEVICE, dtypes, num_tokens, randn, seeds
+from tests.kernels.test_penalties import penalty_inputs, vocab_sizes
+from tritonllm.kernels.penalties import apply_penalties_ref
+from tritonllm.kernels.sampling import sample, sample_probs_ref
 
 
 def _row_seeds(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,21 +35,12 @@ def _chi2(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
     return float(((obs - exp) ** 2 / exp).sum()), int(keep.sum()) - 1
 
 
-@given(seed=seeds(), n=num_tokens, v=vocab_sizes, dtype=dtypes)
-def test_apply_penalties_matches_ref(seed, n, v, dtype):
-    logits = randn(n, v, dtype=dtype, seed=seed, scale=3.0)
-    pens = _penalty_inputs(n, v, seed + 1)
-    out = apply_penalties(logits, *pens)
-    assert out.dtype == torch.float32
-    assert_close(out, apply_penalties_ref(logits, *pens), dtype=torch.float32)
-
-
 @given(
     seed=seeds(), n=num_tokens, v=vocab_sizes, dtype=dtypes, penalize=st.booleans(), block_v=st.sampled_from([None, 32])
 )
 def test_greedy_rows_pick_a_maximal_logit(seed, n, v, dtype, penalize, block_v):
     logits = randn(n, v, dtype=dtype, seed=seed, scale=3.0)
-    pens = _penalty_inputs(n, v, seed + 1) if penalize else None
+    pens = penalty_inputs(n, v, seed + 1) if penalize else None
     seeds_, positions = _row_seeds(n, seed + 2)
     temperature = torch.rand(n, generator=torch.Generator().manual_seed(seed)).to(DEVICE) + 0.5
     greedy = torch.arange(n, device=DEVICE) % 2 == 0
@@ -97,7 +74,7 @@ def test_sampled_distribution_matches_probabilities(seed, v, dtype, temperature,
     logits = row.expand(draws, v).contiguous()
     temps = torch.full((draws,), temperature, device=DEVICE)
     if penalize:
-        pens = tuple(t[:1].expand(draws, *t.shape[1:]).contiguous() for t in _penalty_inputs(1, v, seed + 1))
+        pens = tuple(t[:1].expand(draws, *t.shape[1:]).contiguous() for t in penalty_inputs(1, v, seed + 1))
         # On for every draw, and mild enough to leave the distribution spread (for the power check).
         pens[2].fill_(1.3), pens[3].fill_(0.4), pens[4].fill_(-0.3)
     else:
@@ -119,7 +96,7 @@ def test_sampled_distribution_matches_probabilities(seed, v, dtype, temperature,
 @given(seed=seeds(), n=st.sampled_from([3, 7, 16]), v=vocab_sizes, dtype=dtypes, penalize=st.booleans())
 def test_samples_depend_only_on_seed_position_and_logits(seed, n, v, dtype, penalize):
     logits = randn(n, v, dtype=dtype, seed=seed, scale=0.5)
-    pens = _penalty_inputs(n, v, seed + 1) if penalize else ()
+    pens = penalty_inputs(n, v, seed + 1) if penalize else ()
     seeds_, positions = _row_seeds(n, seed + 2)
     temps = torch.full((n,), 1.0, device=DEVICE)
     temps[0] = 0.0
@@ -138,7 +115,7 @@ def test_samples_depend_only_on_seed_position_and_logits(seed, n, v, dtype, pena
     big_positions = torch.cat([positions, other_positions])[perm]
     big_pens = ()
     if penalize:
-        extra = _penalty_inputs(others, v, seed + 5)
+        extra = penalty_inputs(others, v, seed + 5)
         big_pens = tuple(torch.cat([a, b])[perm].contiguous() for a, b in zip(pens, extra, strict=True))
     big = sample(big_logits, big_temps, big_seeds, big_positions, *big_pens)
     inverse = torch.argsort(perm)
@@ -176,6 +153,6 @@ def test_wrapper_rejects_bad_inputs():
         sample(logits, temps)
     with pytest.raises(ValueError, match="or none of them"):
         sample(logits, temps, seeds_, seeds_, prompt_mask=torch.zeros(3, 11, dtype=torch.bool, device=DEVICE))
-    pens = _penalty_inputs(3, 11, 0)
+    pens = penalty_inputs(3, 11, 0)
     with pytest.raises(ValueError, match="output_counts must be"):
-        apply_penalties(logits, pens[0], pens[1].long(), *pens[2:])
+        sample(logits, temps, seeds_, seeds_, pens[0], pens[1].long(), *pens[2:])

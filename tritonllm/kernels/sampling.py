@@ -1,4 +1,4 @@
-"""Per-row sampling: repetition/presence/frequency penalties, temperature, and a seeded exponential race.
+"""Per-row sampling: penalties (fused from `penalties.py`), temperature, and a seeded exponential race.
 
 Exponential race (Gumbel-max): with E_v ~ Exp(1) independent per token, argmax_v p_v / E_v is distributed as
 p. Taking logs, argmax_v p_v / E_v = argmax_v (logit_v / T - log E_v) since log p_v = logit_v / T - log Z and
@@ -26,59 +26,18 @@ import torch
 import triton
 import triton.language as tl
 
-from tritonllm.platform import INTERPRET, check_kernel_device
+from tritonllm.kernels.penalties import (
+    apply_penalties_ref,
+    check_logits,
+    check_penalties,
+    check_row_param,
+    launch_config,
+    penalized_tile,
+)
+from tritonllm.platform import check_kernel_device
 
 # Half a step of tl.rand's 2^-31 grid: keeps U > 0 so E > 0 and no token gets an infinite score.
 HALF_STEP = tl.constexpr(2.0**-32)
-
-
-@triton.jit
-def _load_tile(
-    logits_ptr, prompt_mask_ptr, output_counts_ptr, repetition_ptr, presence_ptr, frequency_ptr, rows, offs,
-    row_mask, col_mask, stride_logits_row, stride_prompt_mask_row, stride_output_counts_row,
-    HAS_PENALTIES: tl.constexpr,
-):  # fmt: skip
-    """A [BLOCK_ROWS, BLOCK_V] tile of logits in fp32, penalized in vLLM's order when HAS_PENALTIES:
-    repetition (tokens in the prompt or output), then frequency and presence (tokens in the output)."""
-    mask = row_mask[:, None] & col_mask[None, :]
-    logits = tl.load(logits_ptr + rows[:, None] * stride_logits_row + offs[None, :], mask=mask, other=float("-inf"))
-    logits = logits.to(tl.float32)
-    if HAS_PENALTIES:
-        repetition = tl.load(repetition_ptr + rows, mask=row_mask, other=1.0)[:, None]
-        presence = tl.load(presence_ptr + rows, mask=row_mask, other=0.0)[:, None]
-        frequency = tl.load(frequency_ptr + rows, mask=row_mask, other=0.0)[:, None]
-        # Rows without penalties never read their two [V] rows of counts.
-        penalized = (repetition != 1.0) | (presence != 0.0) | (frequency != 0.0)
-        pmask = mask & penalized
-        in_prompt = tl.load(
-            prompt_mask_ptr + rows[:, None] * stride_prompt_mask_row + offs[None, :], mask=pmask, other=0
-        )
-        counts = tl.load(
-            output_counts_ptr + rows[:, None] * stride_output_counts_row + offs[None, :], mask=pmask, other=0
-        )
-        in_output = counts > 0
-        repeated = tl.where(logits > 0, logits / repetition, logits * repetition)
-        logits = tl.where((in_prompt != 0) | in_output, repeated, logits)
-        logits = logits - frequency * counts.to(tl.float32) - presence * in_output.to(tl.float32)
-    return logits
-
-
-@triton.jit
-def _apply_penalties_kernel(
-    logits_ptr, prompt_mask_ptr, output_counts_ptr, repetition_ptr, presence_ptr, frequency_ptr, out_ptr,
-    N, V, stride_logits_row, stride_prompt_mask_row, stride_output_counts_row, stride_out_row,
-    BLOCK_ROWS: tl.constexpr, BLOCK_V: tl.constexpr,
-):  # fmt: skip
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    offs = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
-    row_mask = rows < N
-    col_mask = offs < V
-    logits = _load_tile(
-        logits_ptr, prompt_mask_ptr, output_counts_ptr, repetition_ptr, presence_ptr, frequency_ptr, rows, offs,
-        row_mask, col_mask, stride_logits_row, stride_prompt_mask_row, stride_output_counts_row, True,
-    )  # fmt: skip
-    out_mask = row_mask[:, None] & col_mask[None, :]
-    tl.store(out_ptr + rows[:, None] * stride_out_row + offs[None, :], logits, mask=out_mask)
 
 
 @triton.jit
@@ -95,7 +54,7 @@ def _sample_kernel(
     offs = tile * BLOCK_V + tl.arange(0, BLOCK_V)
     row_mask = rows < N
     col_mask = offs < V
-    scores = _load_tile(
+    scores = penalized_tile(
         logits_ptr, prompt_mask_ptr, output_counts_ptr, repetition_ptr, presence_ptr, frequency_ptr, rows, offs,
         row_mask, col_mask, stride_logits_row, stride_prompt_mask_row, stride_output_counts_row, HAS_PENALTIES,
     )  # fmt: skip
@@ -135,91 +94,6 @@ def _pick_tile_kernel(tile_scores_ptr, tile_tokens_ptr, out_ptr, N, NUM_TILES, B
     tl.store(out_ptr + rows, tokens.to(tl.int64), mask=rows < N)
 
 
-def _launch_config(num_rows: int, vocab_size: int, block_v: int | None = None) -> tuple[int, int]:
-    """(BLOCK_ROWS, BLOCK_V): a tile of about TILE elements; big vocabs get one row per program and several
-    tiles per row so a small decode batch still spreads over the SMs; small vocabs stack rows instead.
-    The interpreter pays per program and per op, not per element, so it takes much bigger tiles."""
-    tile = 1 << 16 if INTERPRET else 4096
-    if block_v is None:
-        block_v = min(triton.next_power_of_2(vocab_size), tile)
-    block_rows = min(triton.next_power_of_2(max(num_rows, 1)), max(1, tile // block_v))
-    return block_rows, block_v
-
-
-def _check_logits(logits: torch.Tensor) -> None:
-    if logits.dim() != 2:
-        raise ValueError(f"logits must be [num_rows, vocab_size], got shape {tuple(logits.shape)}")
-    if logits.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(f"logits must be float16, bfloat16 or float32, got {logits.dtype}")
-    if logits.shape[1] > 0 and logits.stride(1) != 1:
-        raise ValueError("logits rows must be contiguous (stride 1 along the vocab); call .contiguous()")
-
-
-def _check_row_param(name: str, t: torch.Tensor, num_rows: int, dtype: torch.dtype) -> None:
-    if t.shape != (num_rows,) or t.dtype != dtype or not t.is_contiguous():
-        raise ValueError(
-            f"{name} must be a contiguous [{num_rows}] {dtype} tensor (one per logits row), "
-            f"got shape {tuple(t.shape)} {t.dtype}"
-        )
-
-
-def _check_penalties(
-    logits: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    output_counts: torch.Tensor,
-    repetition_penalty: torch.Tensor,
-    presence_penalty: torch.Tensor,
-    frequency_penalty: torch.Tensor,
-) -> None:
-    n, v = logits.shape
-    for name, t, dtype in (("prompt_mask", prompt_mask, torch.bool), ("output_counts", output_counts, torch.int32)):
-        if t.shape != (n, v) or t.dtype != dtype or (v > 0 and t.stride(1) != 1):
-            raise ValueError(
-                f"{name} must be a [{n}, {v}] {dtype} tensor with contiguous rows (same shape as logits), "
-                f"got shape {tuple(t.shape)} {t.dtype}"
-            )
-    _check_row_param("repetition_penalty", repetition_penalty, n, torch.float32)
-    _check_row_param("presence_penalty", presence_penalty, n, torch.float32)
-    _check_row_param("frequency_penalty", frequency_penalty, n, torch.float32)
-    check_kernel_device(prompt_mask, output_counts, repetition_penalty, presence_penalty, frequency_penalty)
-
-
-def apply_penalties(
-    logits: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    output_counts: torch.Tensor,
-    repetition_penalty: torch.Tensor,
-    presence_penalty: torch.Tensor,
-    frequency_penalty: torch.Tensor,
-) -> torch.Tensor:
-    """Penalized logits, out of place, in float32.
-
-    For row r and token v, with c = output_counts[r, v] and seen = prompt_mask[r, v] or c > 0:
-        x = logits[r, v]
-        x = x / rep[r] if seen and x > 0 else x * rep[r] if seen else x
-        x = x - freq[r] * c - pres[r] * (c > 0)
-
-    logits [N, V] fp16/bf16/fp32 (rows contiguous); prompt_mask [N, V] bool (token occurs in the prompt);
-    output_counts [N, V] int32 (occurrences in the output so far); the three penalties [N] float32.
-    Returns [N, V] float32.
-    """
-    _check_logits(logits)
-    _check_penalties(logits, prompt_mask, output_counts, repetition_penalty, presence_penalty, frequency_penalty)
-    check_kernel_device(logits)
-    n, v = logits.shape
-    out = torch.empty((n, v), dtype=torch.float32, device=logits.device)
-    if n == 0 or v == 0:
-        return out
-    block_rows, block_v = _launch_config(n, v)
-    grid = (triton.cdiv(n, block_rows), triton.cdiv(v, block_v))
-    _apply_penalties_kernel[grid](
-        logits, prompt_mask.view(torch.uint8), output_counts, repetition_penalty, presence_penalty,
-        frequency_penalty, out, n, v, logits.stride(0), prompt_mask.stride(0), output_counts.stride(0),
-        out.stride(0), BLOCK_ROWS=block_rows, BLOCK_V=block_v,
-    )  # fmt: skip
-    return out
-
-
 def sample(
     logits: torch.Tensor,
     temperature: torch.Tensor | None,
@@ -235,7 +109,8 @@ def sample(
 ) -> torch.Tensor:
     """One token per row: the argmax of the (penalized) logits where temperature <= 0, else a seeded sample.
 
-    x = penalized logits (see `apply_penalties`; the five penalty arguments are all given or all None).
+    x = penalized logits (see `tritonllm.kernels.penalties.apply_penalties`; the five penalty arguments are
+    all given or all None).
     Greedy row (temperature[r] <= 0, or temperature None for all rows): token = argmax_v x[v] (ties: lowest id).
     Sampled row: token = argmax_v (x[v] / T - log E_v), E_v ~ Exp(1) from Philox keyed by seeds[r] at counter
     (v, positions[r] mod 2^32): a draw from softmax(x / T) that depends only on (seed, position, x).
@@ -246,15 +121,15 @@ def sample(
     (the sampled token's position in its sequence). block_v overrides the vocab tile width (a power of two;
     the result does not depend on it). Returns [N] int64.
     """
-    _check_logits(logits)
+    check_logits(logits)
     n, v = logits.shape
     all_greedy = temperature is None
     if not all_greedy:
         if seeds is None or positions is None:
             raise ValueError("sampling with a temperature needs seeds and positions (pass temperature=None for greedy)")
-        _check_row_param("temperature", temperature, n, torch.float32)
-        _check_row_param("seeds", seeds, n, torch.int64)
-        _check_row_param("positions", positions, n, torch.int64)
+        check_row_param("temperature", temperature, n, torch.float32)
+        check_row_param("seeds", seeds, n, torch.int64)
+        check_row_param("positions", positions, n, torch.int64)
         check_kernel_device(temperature, seeds, positions)
     penalties = (prompt_mask, output_counts, repetition_penalty, presence_penalty, frequency_penalty)
     has_penalties = prompt_mask is not None
@@ -264,7 +139,7 @@ def sample(
             "or none of them"
         )
     if has_penalties:
-        _check_penalties(logits, *penalties)
+        check_penalties(logits, *penalties)
     if v == 0:
         raise ValueError("logits have an empty vocab dimension; there is no token to sample")
     if block_v is not None and (block_v < 1 or block_v & (block_v - 1)):
@@ -274,7 +149,7 @@ def sample(
     out = torch.empty(n, dtype=torch.int64, device=logits.device)
     if n == 0:
         return out
-    block_rows, block_v = _launch_config(n, v, block_v)
+    block_rows, block_v = launch_config(n, v, block_v)
     num_tiles = triton.cdiv(v, block_v)
     tile_scores = torch.empty((n, num_tiles), dtype=torch.float32, device=logits.device)
     tile_tokens = torch.empty((n, num_tiles), dtype=torch.int32, device=logits.device)
@@ -305,26 +180,6 @@ def sample(
 # --------------------------------------------------------------------------------------------------------------
 # References (plain PyTorch, float32, one row at a time).
 # --------------------------------------------------------------------------------------------------------------
-
-
-def apply_penalties_ref(
-    logits: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    output_counts: torch.Tensor,
-    repetition_penalty: torch.Tensor,
-    presence_penalty: torch.Tensor,
-    frequency_penalty: torch.Tensor,
-) -> torch.Tensor:
-    out = logits.float().clone()
-    for r in range(out.shape[0]):
-        x = out[r]
-        counts = output_counts[r].float()
-        seen = prompt_mask[r] | (counts > 0)
-        rep = repetition_penalty[r].item()
-        x[seen] = torch.where(x[seen] > 0, x[seen] / rep, x[seen] * rep)
-        x -= frequency_penalty[r].item() * counts
-        x -= presence_penalty[r].item() * (counts > 0).float()
-    return out
 
 
 def sample_probs_ref(

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tritonllm.kernels.sampling import apply_penalties, sample
+from tritonllm.kernels.penalties import apply_penalties
+from tritonllm.kernels.sampling import sample
 from tritonllm.sampling_params import SamplingParams
 
 
