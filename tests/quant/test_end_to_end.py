@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import Phase, given, settings
 
-from tests.helpers import seeds
+from tests.helpers import DEVICE, seeds
 from tests.models.checkpoints import hf_logits, tiny_config
 from tests.models.paged_runner import PagedRunner
 from tests.quant.checkpoints import awq_settings, gptq_settings, write_quantized_checkpoint
@@ -61,7 +61,7 @@ def test_quantized_checkpoint_matches_dequantized_model(
     config = tiny_config(arch, **overrides)
     path = tmp_path_factory.mktemp("quantized")
     reference = write_quantized_checkpoint(config, quant, path, seed, legacy_file=legacy_file, skip=skip)
-    model, _ = load_model(str(path), device="cpu", quantization=quantization)
+    model, _ = load_model(str(path), device=DEVICE, quantization=quantization)
 
     methods = {type(m.linear_method).__name__ for m in model.modules() if hasattr(m, "linear_method")}
     expected_methods = {"AwqLinearMethod" if quant["quant_method"] == "awq" else "GptqLinearMethod"}
@@ -76,5 +76,5 @@ def test_quantized_checkpoint_matches_dequantized_model(
     logits = runner.step([(0, tokens[:prompt_len])])
     for t in tokens[prompt_len:]:
         logits += runner.step([(0, [t])])
-    ours = torch.cat(logits)
+    ours = torch.cat(logits).cpu()
     torch.testing.assert_close(ours, hf_logits(reference, tokens), **FP32_TOL)
