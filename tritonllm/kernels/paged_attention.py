@@ -1,0 +1,337 @@
+"""Causal attention of a mixed flat batch (decode, prefill, chunked prefill, prefix hits) over the paged KV cache.
+
+One kernel for every step: sequence i owns query tokens query_start_loc[i]:query_start_loc[i+1], its last
+query_len tokens (positions seq_len - query_len .. seq_len - 1); the KV of all seq_len tokens, the new ones
+included, is already in the cache (`write_kv_cache` runs first). A decode step is query_len = 1, a fresh
+prefill is query_len = seq_len, everything else is a prefill over a cached prefix.
+
+Grid: (query tiles, kv heads). A query tile is BLOCK_Q tokens of one sequence times the Hq / Hk query heads
+that share one KV head, packed as BLOCK_M = BLOCK_Q * Hq/Hk rows, so each K/V tile loaded serves the whole
+GQA group. Each program walks its KV positions TILE_N at a time through the block table, skipping tiles
+that causality or the sliding window mask out entirely, with an fp32 online softmax.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from tritonllm.platform import INTERPRET, check_kernel_device
+
+_MAX_HEAD_SIZE = 256
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _find_seq(query_start_loc_ptr, q_tile, num_seqs, BLOCK_Q: tl.constexpr):
+    # Sequence s owns the tiles from query_start_loc[s] // BLOCK_Q + s on: that count bounds the tiles of all
+    # earlier sequences from above, and it grows strictly with s, so a binary search finds the owner.
+    lo: tl.int32 = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= q_tile:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    block_tables_ptr,
+    qk_scale,
+    num_seqs,
+    stride_q_t,
+    stride_q_h,
+    stride_out_t,
+    stride_out_h,
+    stride_kc_block,
+    stride_kc_slot,
+    stride_kc_head,
+    stride_vc_block,
+    stride_vc_slot,
+    stride_vc_head,
+    stride_bt_seq,
+    QUERIES_PER_KV: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    HEAD_SIZE_PADDED: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    TILE_N: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    q_tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+
+    seq = _find_seq(query_start_loc_ptr, q_tile, num_seqs, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    query_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    local_tile = q_tile - (q_start // BLOCK_Q + seq)
+    if local_tile * BLOCK_Q >= query_len:
+        return  # the grid over-counts tiles by up to one per sequence
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - query_len
+
+    # Row r of the tile: query token r // QUERIES_PER_KV of the tile, query head r % QUERIES_PER_KV of the group.
+    offs_m = tl.arange(0, BLOCK_M)
+    q_local = local_tile * BLOCK_Q + offs_m // QUERIES_PER_KV
+    q_head = kv_head * QUERIES_PER_KV + offs_m % QUERIES_PER_KV
+    row_valid = (offs_m < BLOCK_Q * QUERIES_PER_KV) & (q_local < query_len)
+    q_pos = context_len + q_local
+    offs_d = tl.arange(0, HEAD_SIZE_PADDED)
+    d_valid = offs_d < HEAD_SIZE
+
+    token = (q_start + q_local).to(tl.int64)
+    q_offs = token[:, None] * stride_q_t + q_head[:, None] * stride_q_h + offs_d[None, :]
+    q = tl.load(q_ptr + q_offs, mask=row_valid[:, None] & d_valid[None, :], other=0.0)
+    if INTERPRET and q.dtype == tl.bfloat16:
+        q = q.to(tl.float32)  # the interpreter's bf16 tl.dot is wrong; compiled runs keep bf16
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_SIZE_PADDED], dtype=tl.float32)
+
+    # Keys this tile can see: causality ends at its last query, the window starts before its first query.
+    kv_end = context_len + tl.minimum((local_tile + 1) * BLOCK_Q, query_len)
+    kv_start = 0
+    if SLIDING_WINDOW > 0:
+        kv_start = tl.maximum(context_len + local_tile * BLOCK_Q - SLIDING_WINDOW + 1, 0)
+    # A split-KV (flash-decoding) path for long contexts at small batch goes here: a third grid axis over KV
+    # segments narrows [kv_start, kv_end) to one segment, the epilogue stores (acc, m_i, l_i) partials instead
+    # of the output, and a small reduce kernel merges the segments with the same rescaling as the loop below.
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
+    for n_start in range((kv_start // TILE_N) * TILE_N, kv_end, TILE_N):
+        offs_n = n_start + tl.arange(0, TILE_N)
+        n_valid = offs_n < kv_end
+        # int64: block_id * stride_block passes 2^31 in a large cache.
+        block_id = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
+        in_block = offs_n % BLOCK_SIZE
+        kv_mask = n_valid[:, None] & d_valid[None, :]
+        k_offs = block_id[:, None] * stride_kc_block + in_block[:, None] * stride_kc_slot + offs_d[None, :]
+        v_offs = block_id[:, None] * stride_vc_block + in_block[:, None] * stride_vc_slot + offs_d[None, :]
+        k = tl.load(k_cache_ptr + kv_head * stride_kc_head + k_offs, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_head * stride_vc_head + v_offs, mask=kv_mask, other=0.0)
+        if INTERPRET and k.dtype == tl.bfloat16:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+
+        # Scores in the log2 domain: qk_scale = scale * log2(e), so exp2 below is the softmax's exp.
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        allowed = n_valid[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        if SLIDING_WINDOW > 0:
+            allowed = allowed & (offs_n[None, :] > q_pos[:, None] - SLIDING_WINDOW)
+        s = tl.where(allowed, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # A row with nothing visible yet keeps m = -inf; subtract 0 there instead of producing inf - inf.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    out_offs = token[:, None] * stride_out_t + q_head[:, None] * stride_out_h + offs_d[None, :]
+    tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & d_valid[None, :])
+
+
+@dataclass(slots=True, frozen=True)
+class _LaunchConfig:
+    block_m: int  # rows per program: BLOCK_Q query tokens x the GQA group
+    block_q: int
+    tile_n: int  # KV positions per loop iteration
+    num_warps: int
+    num_stages: int
+
+
+def _launch_config(queries_per_kv: int, head_size_padded: int, max_query_len: int, dtype: torch.dtype) -> _LaunchConfig:
+    """All launch heuristics in one place (tuned for Hopper; the interpreter runs the same tiles)."""
+    # tl.dot needs M >= 16; decode-heavy batches fill the 16 rows with the GQA group instead of more tokens.
+    rows_needed = max(1, max_query_len) * queries_per_kv
+    block_m = 16 if rows_needed <= 16 else 64
+    block_m = max(block_m, triton.next_power_of_2(queries_per_kv))
+    wide = head_size_padded > 128 or dtype == torch.float32
+    tile_n = 32 if (block_m == 16 or wide) else 64
+    return _LaunchConfig(
+        block_m=block_m,
+        block_q=block_m // queries_per_kv,
+        tile_n=tile_n,
+        num_warps=4 if block_m <= 64 else 8,
+        num_stages=2 if wide else 3,
+    )
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    max_query_len: int,
+    max_seq_len: int,
+    scale: float,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """out[t, h] = sum_j softmax_j(scale * q[t, h] . k_j) v_j over the keys j that query t may see.
+
+    Query t of sequence i sits at position p = seq_len_i - query_len_i + (t - query_start_loc[i]) and sees the
+    keys at positions j <= p (and j > p - sliding_window when a window is set: the last `sliding_window` tokens,
+    itself included). Query head h reads KV head h // (Hq // Hk). Softmax in fp32; fp32 inputs use true fp32
+    products (no TF32).
+
+    q:               [T, Hq, D] fp16/bf16/fp32, last dim contiguous (a view of a fused qkv output is fine)
+    k_cache/v_cache: [num_blocks, block_size, Hk, D], q's dtype, last dim contiguous; Hq % Hk == 0
+    query_start_loc: [B + 1] int32, cumulative query lengths from 0
+    seq_lens:        [B] int32, tokens in context including this step's queries
+    block_tables:    [B, max_blocks] int32, physical block ids; entries past a sequence's length are not read
+    max_query_len:   host-side bound, picks the tile shape (no device sync)
+    max_seq_len:     host-side bound, kept for choosing a future split-KV path; unused today
+    out:             optional [T, Hq, D] in q's dtype, last dim contiguous; rows past query_start_loc[-1] untouched
+    Returns out.
+    """
+    check_kernel_device(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables)
+    if q.dim() != 3:
+        raise ValueError(f"q must be [num_tokens, num_heads, head_size], got {tuple(q.shape)}; view it as (T, Hq, D)")
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, head_size], got "
+            f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+    num_tokens, num_heads, head_size = q.shape
+    _, block_size, num_kv_heads, cache_head_size = k_cache.shape
+    if cache_head_size != head_size:
+        raise ValueError(f"q head_size {head_size} != cache head_size {cache_head_size}; they must match")
+    if head_size > _MAX_HEAD_SIZE:
+        raise ValueError(f"head_size {head_size} is above the supported {_MAX_HEAD_SIZE}")
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads} (GQA needs it)")
+    if not (q.dtype == k_cache.dtype == v_cache.dtype) or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(
+            f"q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}: all must be the same one of "
+            "float16, bfloat16, float32"
+        )
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} needs a contiguous last (head_size) dim, got strides {t.stride()}")
+    num_seqs = seq_lens.shape[0]
+    for name, t, shape in (
+        ("query_start_loc", query_start_loc, (num_seqs + 1,)),
+        ("seq_lens", seq_lens, (num_seqs,)),
+    ):
+        if t.dtype != torch.int32 or tuple(t.shape) != shape or not t.is_contiguous():
+            raise ValueError(
+                f"{name} must be a contiguous int32 tensor of shape {shape}, got {t.dtype} {tuple(t.shape)}"
+            )
+    if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
+        raise ValueError(
+            f"block_tables must be int32 [{num_seqs}, max_blocks], got {block_tables.dtype} {tuple(block_tables.shape)}"
+        )
+    if block_tables.stride(1) != 1:
+        raise ValueError("block_tables rows must be contiguous; call .contiguous() on it")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be None or >= 1, got {sliding_window}")
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
+        raise ValueError(
+            f"out must be {tuple(q.shape)} {q.dtype} with a contiguous last dim, got {tuple(out.shape)} {out.dtype} "
+            f"strides {out.stride()}"
+        )
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+
+    queries_per_kv = num_heads // num_kv_heads
+    head_size_padded = triton.next_power_of_2(head_size)
+    cfg = _launch_config(queries_per_kv, head_size_padded, max_query_len, q.dtype)
+    fp32_dot = q.dtype == torch.float32 or (INTERPRET and q.dtype == torch.bfloat16)
+    # Upper bound on query tiles (see _find_seq); surplus programs return at once. No host sync needed.
+    grid = (num_tokens // cfg.block_q + num_seqs, num_kv_heads)
+    _paged_attention_kernel[grid](
+        out,
+        q,
+        k_cache,
+        v_cache,
+        query_start_loc,
+        seq_lens,
+        block_tables,
+        scale * _LOG2E,
+        num_seqs,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_tables.stride(0),
+        QUERIES_PER_KV=queries_per_kv,
+        HEAD_SIZE=head_size,
+        HEAD_SIZE_PADDED=head_size_padded,
+        BLOCK_SIZE=block_size,
+        BLOCK_M=cfg.block_m,
+        BLOCK_Q=cfg.block_q,
+        TILE_N=cfg.tile_n,
+        SLIDING_WINDOW=sliding_window or 0,
+        DOT_PRECISION="ieee" if fp32_dot else "tf32",
+        INTERPRET=INTERPRET,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return out
+
+
+def paged_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Plain-PyTorch `paged_attention` in fp32, returned as fp32 [T, Hq, D] (rows of no sequence stay zero).
+
+    Per sequence: gather its KV from the block table, mask causally (and by the window), softmax.
+    """
+    num_tokens, num_heads, head_size = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    out = torch.zeros(num_tokens, num_heads, head_size, dtype=torch.float32, device=q.device)
+    starts = query_start_loc.tolist()
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        start, end = starts[i], starts[i + 1]
+        if end == start:
+            continue
+        num_blocks = -(-seq_len // block_size)
+        blocks = block_tables[i, :num_blocks].long()
+        k = k_cache[blocks].reshape(-1, num_kv_heads, head_size)[:seq_len].float()
+        v = v_cache[blocks].reshape(-1, num_kv_heads, head_size)[:seq_len].float()
+        k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)  # [S, Hq, D]
+        v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), k) * scale
+
+        q_pos = torch.arange(seq_len - (end - start), seq_len, device=q.device)[:, None]
+        k_pos = torch.arange(seq_len, device=q.device)[None, :]
+        visible = k_pos <= q_pos
+        if sliding_window is not None:
+            visible &= k_pos > q_pos - sliding_window
+        scores = scores.masked_fill(~visible, float("-inf"))
+        out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
+    return out
