@@ -193,7 +193,7 @@ def cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
             "input_len": args.input_len,
             "output_len": args.output_len,
             "range_ratio": args.range_ratio,
-            "request_rate": args.request_rate,
+            "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
             "seed": args.seed,
             "dtype": str(engine.dtype).removeprefix("torch."),
             "device": str(engine.runner.device),
