@@ -130,12 +130,17 @@ class ServerProcess:
 
 
 def metrics(url: str) -> dict[str, float]:
-    """Every sample of /metrics (parsed as Prometheus text), by name; label sets are summed."""
+    """Every sample of /metrics (parsed as Prometheus text) by name, label sets summed; samples with labels
+    besides model_name also under "name{label=value,...}"."""
     text = httpx.get(f"{url}/metrics", timeout=10).text
     values: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             values[sample.name] = values.get(sample.name, 0.0) + sample.value
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "model_name")
+            if labels:
+                key = f"{sample.name}{{{labels}}}"
+                values[key] = values.get(key, 0.0) + sample.value
     return values
 
 
