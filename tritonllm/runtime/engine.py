@@ -8,6 +8,8 @@ step():  Scheduler.schedule ─▶ ModelRunner.execute ─▶ Sampler ─▶ Sch
 from __future__ import annotations
 
 import itertools
+import json
+import os
 import random
 import time
 from dataclasses import dataclass, field, replace
@@ -73,6 +75,7 @@ class LLMEngine:
             load_format=config.load_format,
         )
         self.tokenizer = Tokenizer(config.tokenizer or path)
+        self.eos_token_ids = eos_token_ids(path, self.model_config.eos_token_ids, self.tokenizer.eos_token_id)
         self.dtype = next(self.model.parameters()).dtype
         self.max_model_len = config.resolve_max_model_len(self.model_config.max_position_embeddings)
         max_batched = config.max_num_batched_tokens or max(config.DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_model_len)
@@ -191,7 +194,7 @@ class LLMEngine:
                 [s.prompt_token_ids for s in seqs],
                 [s.output_token_ids for s in seqs],
                 result.sampled_logits.shape[1],
-                eos_token_id=self._eos_token_id(),
+                eos_token_id=self.eos_token_ids,
                 sample_indices=[s.sample_index for s in seqs],
                 device=result.sampled_logits.device,
             )
@@ -229,15 +232,10 @@ class LLMEngine:
                 self._requests.pop(o.request_id, None)
         return outputs
 
-    def _eos_token_id(self) -> int | None:
-        if self.tokenizer.eos_token_id is not None:
-            return self.tokenizer.eos_token_id
-        return next(iter(self.model_config.eos_token_ids), None)
-
     def _check_stop(self, seq: Sequence, sample: SampleState, token: int, params: SamplingParams) -> None:
-        """Stop tokens (EOS unless ignore_eos, and stop_token_ids; the sampler bans them before min_tokens),
-        then stop strings in the detokenized text."""
-        stop_token = token in params.stop_token_set(self._eos_token_id())
+        """Stop tokens (any EOS id unless ignore_eos, and stop_token_ids; the sampler bans them before
+        min_tokens), then stop strings in the detokenized text."""
+        stop_token = token in params.stop_token_set(self.eos_token_ids)
         if stop_token:
             sample.stop_reason = token if token in params.stop_token_ids else None
         ended_by_length = seq.status is SequenceStatus.FINISHED_LENGTH
@@ -309,3 +307,17 @@ class LLMEngine:
             outputs=completions,
             finished=all(c.finish_reason is not None for c in completions),
         )
+
+
+def eos_token_ids(model_path: str, config_eos: list[int], tokenizer_eos: int | None) -> frozenset[int]:
+    """Every id that ends generation as EOS: the tokenizer's eos_token, config.json's eos_token_id and
+    generation_config.json's (each may list several, as Llama 3's do)."""
+    ids = set(config_eos)
+    if tokenizer_eos is not None:
+        ids.add(tokenizer_eos)
+    gen_file = os.path.join(model_path, "generation_config.json")
+    if os.path.isfile(gen_file):
+        with open(gen_file, encoding="utf-8") as f:
+            value = json.load(f).get("eos_token_id")
+        ids.update([value] if isinstance(value, int) else value or [])
+    return frozenset(ids)
