@@ -139,9 +139,14 @@ class LLMEngine:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use; give each request a unique id")
         text, ids = self.encode_prompt(prompt)
+        rng_state = self._seed_rng.getstate()
         if params.seed is None:
             params = replace(params, seed=self._seed_rng.getrandbits(63))
-        group = self.scheduler.add_request(request_id, ids, params)
+        try:
+            group = self.scheduler.add_request(request_id, ids, params)
+        except ValueError:
+            self._seed_rng.setstate(rng_state)  # a rejected request must not shift the seeds of later ones
+            raise
         samples = {}
         for seq in group.seqs:
             samples[seq.seq_id] = SampleState(
