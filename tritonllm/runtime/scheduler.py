@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from operator import attrgetter
 from typing import Any
 
-from tritonllm.runtime.block_manager import BlockManager
+from tritonllm.runtime.block_manager import NO_HIT, BlockManager
 from tritonllm.runtime.scheduler_output import ScheduledSequence, SchedulerOutput, SchedulerStats
 from tritonllm.runtime.sequence import Sequence, SequenceGroup, SequenceStatus
 
@@ -71,8 +71,9 @@ class Scheduler:
     def add_request(
         self, request_id: str, prompt_token_ids: Iterable[int], sampling_params: Any = None
     ) -> SequenceGroup:
-        """Queue a request. Reads `sampling_params.n` (samples, default 1) and `.max_tokens` (None = up
-        to max_model_len). Raises ValueError, changing nothing, if it could never run."""
+        """Queue a request. Reads `sampling_params.n` (samples, default 1), `.max_tokens` (None = up to
+        max_model_len) and `.prompt_logprobs` (not None: every prompt position must yield logits, so the
+        request never takes a prefix-cache hit). Raises ValueError, changing nothing, if it could never run."""
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use; give each request a unique id")
         prompt = [int(t) for t in prompt_token_ids]
@@ -154,7 +155,8 @@ class Scheduler:
             forks = len(group.pending_fork) if seq.sample_index == 0 else 0
             if seats + 1 + forks > self.config.max_num_seqs:
                 break
-            hit = bm.lookup_prefix(seq)
+            # A cached prefix would skip the logits that prompt logprobs are made of.
+            hit = NO_HIT if getattr(seq.sampling_params, "prompt_logprobs", None) is not None else bm.lookup_prefix(seq)
             n = self._num_new_tokens(seq, hit.num_tokens, budget)
             fork_now = forks > 0 and hit.num_tokens == seq.num_prompt_tokens - 1
             if fork_now:
