@@ -60,6 +60,7 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # sorted by Sequence.sort_key (oldest first)
         self.running: list[Sequence] = []  # sorted by Sequence.sort_key; the last one is preempted first
         self.num_preemptions = 0
+        self.num_chunked_prefills = 0
         self._groups: dict[str, SequenceGroup] = {}  # unfinished requests
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
@@ -115,6 +116,7 @@ class Scheduler:
             num_waiting=len(self.waiting),
             kv_cache_usage=bm.usage,
             num_preemptions=self.num_preemptions,
+            num_chunked_prefills=self.num_chunked_prefills,
             prefix_cache_queries=bm.prefix_cache_queries,
             prefix_cache_hits=bm.prefix_cache_hits,
         )
@@ -176,6 +178,7 @@ class Scheduler:
             budget -= n
             seats += 1 + forks
 
+        self.num_chunked_prefills += sum(1 for e in scheduled if not e.sampled)
         out = SchedulerOutput(
             scheduled=scheduled,
             num_batched_tokens=self.config.max_num_batched_tokens - budget,

@@ -68,6 +68,7 @@ class SchedulerStats:
     num_waiting: int  # queued or preempted sequences
     kv_cache_usage: float  # fraction of KV blocks not available to allocations
     num_preemptions: int  # since start
+    num_chunked_prefills: int  # scheduled prompt parts that stopped short of the end (chunked prefill), since start
     prefix_cache_queries: int  # prompt tokens looked up at admission, since start
     prefix_cache_hits: int  # of those, tokens served from the cache
 
