@@ -71,4 +71,5 @@ class PagedRunner:
         with torch.no_grad(), set_forward_context(meta):
             hidden = self.model(ids, pos)
             logits = self.model.compute_logits(hidden[: query_start[-1]])
+        logits = logits.cpu()  # callers compare with CPU references
         return [logits[query_start[i] : query_start[i + 1]] for i in range(len(batch))]

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from safetensors.torch import save_file
 
-from tests.helpers import seeds
+from tests.helpers import DEVICE, seeds
 from tests.models.checkpoints import hf_model, tiny_config, write_checkpoint
 from tests.models.paged_runner import PagedRunner
 from tritonllm.models import registry
@@ -116,7 +116,7 @@ def test_half_precision_model_tracks_fp32(tmp_path):
     tokens = torch.randint(0, config["vocab_size"], (6,), generator=torch.Generator().manual_seed(5)).tolist()
     logits = {}
     for dtype in (torch.float32, torch.float16):
-        model, _ = load_model(str(tmp_path), dtype=dtype, device="cpu")
+        model, _ = load_model(str(tmp_path), dtype=dtype, device=DEVICE)
         logits[dtype] = PagedRunner(model, seed=0).step([(0, tokens)])[0]
     assert logits[torch.float16].dtype == torch.float32
     torch.testing.assert_close(logits[torch.float16], logits[torch.float32], atol=1e-2, rtol=1e-2)
@@ -140,9 +140,9 @@ def test_profiling_pass_without_cache(tmp_path):
     """No metadata (memory profiling): attention skips the cache and the model still returns [T, H]."""
     config = tiny_config("MistralForCausalLM")
     (tmp_path / "config.json").write_text(json.dumps(config))
-    model, cfg = load_model(str(tmp_path), load_format="dummy", device="cpu")
+    model, cfg = load_model(str(tmp_path), load_format="dummy", device=DEVICE)
     with torch.no_grad(), set_forward_context(None):
-        hidden = model(torch.arange(5), torch.arange(5))
+        hidden = model(torch.arange(5, device=DEVICE), torch.arange(5, device=DEVICE))
     assert hidden.shape == (5, cfg.hidden_size) and torch.isfinite(hidden).all()
     assert model.compute_logits(hidden).shape == (5, cfg.vocab_size)
 

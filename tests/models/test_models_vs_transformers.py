@@ -6,7 +6,7 @@ import torch
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
-from tests.helpers import seeds
+from tests.helpers import DEVICE, seeds
 from tests.models.checkpoints import builtin_architectures, hf_logits, tiny_config, write_checkpoint
 from tests.models.paged_runner import PagedRunner
 from tritonllm.models.loader import load_model
@@ -35,7 +35,7 @@ def test_prefill_and_decode_match_transformers(arch, seed, prompt_len, data, tmp
     config = tiny_config(arch)
     path = tmp_path_factory.mktemp(arch)
     hf = write_checkpoint(config, path, seed)
-    model, _ = load_model(str(path), device="cpu")
+    model, _ = load_model(str(path), device=DEVICE)
     g = torch.Generator().manual_seed(seed)
     num_decode = 3
     tokens = torch.randint(0, config["vocab_size"], (prompt_len + num_decode,), generator=g).tolist()
@@ -62,7 +62,7 @@ def test_batched_sequences_equal_each_alone(arch, seed, lens, tmp_path_factory):
     config = tiny_config(arch)
     path = tmp_path_factory.mktemp(arch)
     write_checkpoint(config, path, seed)
-    model, _ = load_model(str(path), device="cpu")
+    model, _ = load_model(str(path), device=DEVICE)
     g = torch.Generator().manual_seed(seed)
     num_decode = 2
     seqs = [torch.randint(0, config["vocab_size"], (n + num_decode,), generator=g).tolist() for n in lens]
@@ -94,7 +94,7 @@ def test_sliding_window_changes_the_result(tmp_path):
     """The window in the Mistral tiny config is shorter than the sequence: full attention would differ."""
     config = tiny_config("MistralForCausalLM")
     write_checkpoint(config, tmp_path, seed=3)
-    model, cfg = load_model(str(tmp_path), device="cpu")
+    model, cfg = load_model(str(tmp_path), device=DEVICE)
     tokens = torch.randint(0, cfg.vocab_size, (cfg.sliding_window + 4,), generator=torch.Generator().manual_seed(3))
     windowed = PagedRunner(model, seed=1).step([(0, tokens.tolist())])[0]
     for layer in model.attention_layers():
