@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import Response
+from fastapi.responses import Response, StreamingResponse
+from starlette.background import BackgroundTask
 
 from tritonllm.entrypoints.openai.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
 from tritonllm.entrypoints.openai.errors import OpenAIError, invalid_request, model_not_found, server_error
@@ -204,8 +205,9 @@ async def _wait_for_disconnect(request: Request) -> None:
             return
 
 
-async def cancel_on_disconnect(request: Request, work: Awaitable[Response]) -> Response:
-    """Run a non-streaming handler, cancelling it (so its requests are aborted) if the client disconnects."""
+async def cancel_on_disconnect(request: Request, work: Awaitable[Response], streams: list[RequestStream]) -> Response:
+    """Run a non-streaming handler, cancelling it if the client disconnects; either way `streams` still
+    running afterwards are aborted (a handler cancelled before it started has no finally of its own)."""
     handler = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_wait_for_disconnect(request))
     try:
@@ -214,6 +216,13 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[Response]) -> R
         watcher.cancel()
         if not handler.done():
             handler.cancel()
+        close_all(streams)
     if handler.done() and not handler.cancelled():
         return handler.result()
     return Response(status_code=499)  # nobody is listening
+
+
+def streaming_response(body: AsyncIterator[str], streams: list[RequestStream]) -> StreamingResponse:
+    """Server-sent events from `body`; `streams` still running when the response ends (the client left,
+    perhaps before `body` ever started) are aborted by a background task."""
+    return StreamingResponse(body, media_type="text/event-stream", background=BackgroundTask(close_all, streams))

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 import jinja2
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from tritonllm.entrypoints.openai.errors import OpenAIError
 from tritonllm.entrypoints.openai.protocol import (
@@ -37,6 +37,7 @@ from tritonllm.entrypoints.openai.serving import (
     sampling_params,
     sse,
     stream_failure,
+    streaming_response,
 )
 from tritonllm.outputs import Logprob
 
@@ -121,10 +122,8 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     request_id = random_id("chatcmpl")
     streams = await add_all(ctx.engine, request_id, [{"prompt_token_ids": prompt_ids}], [params])
     if req.stream:
-        return StreamingResponse(
-            _stream(req, model, request_id, len(prompt_ids), streams), media_type="text/event-stream"
-        )
-    return await cancel_on_disconnect(raw, _full(req, model, request_id, len(prompt_ids), streams))
+        return streaming_response(_stream(req, model, request_id, len(prompt_ids), streams), streams)
+    return await cancel_on_disconnect(raw, _full(req, model, request_id, len(prompt_ids), streams), streams)
 
 
 async def _full(req: ChatCompletionRequest, model, request_id, num_prompt: int, streams) -> Response:

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from tritonllm.entrypoints.openai.errors import OpenAIError
 from tritonllm.entrypoints.openai.protocol import (
@@ -35,6 +35,7 @@ from tritonllm.entrypoints.openai.serving import (
     sampling_params,
     sse,
     stream_failure,
+    streaming_response,
 )
 from tritonllm.outputs import CompletionOutput, Logprob, RequestOutput
 
@@ -115,8 +116,9 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     engine_prompts = [{"prompt": p.text, "prompt_token_ids": p.token_ids} for p in prompts]
     streams = await add_all(ctx.engine, request_id, engine_prompts, params)
     if req.stream:
-        return StreamingResponse(_stream(ctx, req, model, request_id, prompts, streams), media_type="text/event-stream")
-    return await cancel_on_disconnect(raw, _full(ctx, req, model, request_id, prompts, streams))
+        body = _stream(ctx, req, model, request_id, prompts, streams)
+        return streaming_response(body, streams)
+    return await cancel_on_disconnect(raw, _full(ctx, req, model, request_id, prompts, streams), streams)
 
 
 async def _full(ctx, req: CompletionRequest, model, request_id, prompts: list[_Prompt], streams) -> Response:
