@@ -9,8 +9,10 @@ from torch import nn
 
 from tritonllm.kernels.copy_blocks import copy_blocks
 from tritonllm.models.config import ModelConfig
-from tritonllm.runtime.forward_context import AttentionMetadata, set_forward_context
+from tritonllm.runtime.cuda_graphs import DecodeGraphRunner, capture_sizes
+from tritonllm.runtime.forward_context import set_forward_context
 from tritonllm.runtime.scheduler_output import SchedulerOutput
+from tritonllm.runtime.step_inputs import build_step_inputs
 
 # Without a GPU there is nothing to profile; the cache gets a fixed budget unless the caller sets one.
 DEFAULT_CPU_KV_CACHE_MEMORY = 256 * 2**20
@@ -46,6 +48,7 @@ class ModelRunner:
         self.attention_layers = model.attention_layers()
         self.kv_cache: torch.Tensor | None = None
         self.num_blocks = 0
+        self.decode_graphs: DecodeGraphRunner | None = None  # set by capture_decode_graphs
 
     # ---- KV cache ---------------------------------------------------------------------------------
 
@@ -105,6 +108,18 @@ class ModelRunner:
             attn.k_cache = self.kv_cache[0, i]
             attn.v_cache = self.kv_cache[1, i]
 
+    def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int, use_graphs: bool = True) -> None:
+        """Route decode steps of up to min(max_num_seqs, 256) sequences through padded static buffers, replayed
+        as CUDA graphs (captured here, after the KV cache exists). use_graphs=False keeps the padded buffers but
+        runs them eagerly (any device)."""
+        if self.kv_cache is None:
+            raise RuntimeError("allocate the KV cache before capturing decode graphs")
+        sizes = capture_sizes(max_num_seqs)
+        self.decode_graphs = DecodeGraphRunner(
+            self.model, self.block_size, max_model_len, sizes, self.device, use_graphs=use_graphs
+        )
+        self.decode_graphs.capture()
+
     # ---- one step ---------------------------------------------------------------------------------
 
     @torch.inference_mode()
@@ -113,52 +128,18 @@ class ModelRunner:
             mapping = torch.tensor(out.block_copies, dtype=torch.int64, device=self.device)
             copy_blocks(self.kv_cache, mapping)
 
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_start_loc = [0]
-        seq_lens: list[int] = []
-        logits_indices: list[int] = []
-        prompt_rows: dict[int, tuple[int, int, int]] = {}  # seq_id -> (first position, first row, rows)
-        bs = self.block_size
-        for entry in out.scheduled:
-            start, end = entry.num_computed_tokens, entry.seq_len
-            table = entry.block_table
-            input_ids.extend(entry.new_token_ids)
-            positions.extend(range(start, end))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            row0 = query_start_loc[-1]
-            query_start_loc.append(row0 + end - start)
-            seq_lens.append(end)
-            seq = entry.seq
-            if seq.seq_id in prompt_logit_seq_ids and start < seq.num_prompt_tokens - 1:
-                n = min(end, seq.num_prompt_tokens - 1) - start
-                prompt_rows[seq.seq_id] = (start, row0, n)
-        for entry, row_end in zip(out.scheduled, query_start_loc[1:], strict=True):
-            if entry.sampled:
-                logits_indices.append(row_end - 1)
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.can_run(out, prompt_logit_seq_ids):
+            # Every row samples: the graph's hidden states are exactly the rows to project.
+            logits = self.model.compute_logits(graphs.run(out.scheduled)).float()
+            return ModelRunnerOutput(sampled_logits=logits, prompt_logits={})
 
-        num_sampled = len(logits_indices)
-        for _, row0, n in prompt_rows.values():
-            logits_indices.extend(range(row0, row0 + n))
-
-        max_blocks = max(len(e.block_table) for e in out.scheduled)
-        block_tables = [e.block_table + [0] * (max_blocks - len(e.block_table)) for e in out.scheduled]
-        dev = self.device
-        meta = AttentionMetadata(
-            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            max_query_len=max(e.num_new_tokens for e in out.scheduled),
-            max_seq_len=max(seq_lens),
-            block_tables=torch.tensor(block_tables, dtype=torch.int32, device=dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=dev),
-        )
-        ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
-        pos = torch.tensor(positions, dtype=torch.int64, device=dev)
+        step = build_step_inputs(out.scheduled, self.block_size, self.device, prompt_logit_seq_ids)
+        meta = step.attn_metadata
         with set_forward_context(meta):
-            hidden = self.model(ids, pos)
+            hidden = self.model(step.input_ids, step.positions)
         logits = self.model.compute_logits(hidden[meta.logits_indices]).float()
+        num_sampled, prompt_rows = step.num_sampled, step.prompt_rows
 
         prompt_logits = {}
         offset = num_sampled

@@ -1,0 +1,112 @@
+"""The flat inputs of one eager step (token ids, positions, AttentionMetadata), moved to the device in one copy.
+
+Every integer of the step is written into one host buffer (pinned on a GPU, so the copy is asynchronous and
+the CPU never waits for the GPU here), copied once, and the int32 fields are cast in one more device op:
+
+    int64 buffer: input_ids [T] | positions [T] | slot_mapping [T] | logits_indices [L] | int32 part
+    int32 part:   query_start_loc [B + 1] | seq_lens [B] | block_tables [B * W]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from tritonllm.runtime.forward_context import AttentionMetadata
+from tritonllm.runtime.scheduler_output import ScheduledSequence
+
+
+@dataclass(slots=True)
+class StepInputs:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    attn_metadata: AttentionMetadata  # logits_indices: the sampled rows first, then every prompt-logit row
+    num_sampled: int  # rows of logits_indices that belong to sampled sequences (out.sampled order)
+    prompt_rows: dict[int, tuple[int, int, int]]  # seq_id -> (first position, first row, rows) of prompt logits
+
+
+def to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """int64 tensor on `device` from a host list, without a host sync on a GPU (pinned, non-blocking copy;
+    PyTorch's pinned-memory cache keeps the host buffer alive until the copy has run)."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=torch.int64, device=device)
+    return torch.tensor(values, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
+
+
+def build_step_inputs(
+    scheduled: Sequence[ScheduledSequence],
+    block_size: int,
+    device: torch.device,
+    prompt_logit_seq_ids: Collection[int] = frozenset(),
+) -> StepInputs:
+    """Flatten the scheduled sequences (in order) into one batch.
+
+    Sequence i computes positions num_computed_tokens .. seq_len - 1; each token's KV slot is
+    block_table[p // block_size] * block_size + p % block_size. Sampled sequences get the logits of their last
+    token; sequences in `prompt_logit_seq_ids` also get those of the prompt positions computed this step
+    (except the last prompt token, whose logits predict the first output).
+    """
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    query_start_loc = [0]
+    seq_lens: list[int] = []
+    sampled_rows: list[int] = []
+    prompt_rows: dict[int, tuple[int, int, int]] = {}
+    bs = block_size
+    for entry in scheduled:
+        start, n = entry.num_computed_tokens, entry.num_new_tokens
+        end = start + n
+        table = entry.block_table
+        seq = entry.seq
+        row0 = query_start_loc[-1]
+        if n == 1:  # decode: skip the range and slicing machinery
+            ids.append(seq.token_ids[start])
+            positions.append(start)
+            slots.append(table[start // bs] * bs + start % bs)
+        else:
+            ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+        query_start_loc.append(row0 + n)
+        seq_lens.append(end)
+        if entry.sampled:
+            sampled_rows.append(row0 + n - 1)
+        if seq.seq_id in prompt_logit_seq_ids and start < seq.num_prompt_tokens - 1:
+            prompt_rows[seq.seq_id] = (start, row0, min(end, seq.num_prompt_tokens - 1) - start)
+
+    num_sampled = len(sampled_rows)
+    logits_indices = sampled_rows  # extended in place: sampled rows first, then prompt-logit rows
+    for _, row0, n in prompt_rows.values():
+        logits_indices.extend(range(row0, row0 + n))
+
+    num_tokens, num_seqs = len(ids), len(seq_lens)
+    width = max(len(e.block_table) for e in scheduled)
+    flat_tables: list[int] = []
+    for entry in scheduled:
+        table = entry.block_table
+        flat_tables.extend(table)
+        flat_tables.extend([0] * (width - len(table)))  # padding: never read (past the sequence's blocks)
+
+    host = ids + positions + slots + logits_indices + query_start_loc + seq_lens + flat_tables
+    buf = to_device(host, device)
+    t, n_logits = num_tokens, len(logits_indices)
+    small = buf[3 * t + n_logits :].to(torch.int32)
+    meta = AttentionMetadata(
+        query_start_loc=small[: num_seqs + 1],
+        seq_lens=small[num_seqs + 1 : 2 * num_seqs + 1],
+        max_query_len=max(e.num_new_tokens for e in scheduled),
+        max_seq_len=max(seq_lens),
+        block_tables=small[2 * num_seqs + 1 :].view(num_seqs, width),
+        slot_mapping=buf[2 * t : 3 * t],
+        logits_indices=buf[3 * t : 3 * t + n_logits],
+    )
+    return StepInputs(
+        input_ids=buf[:t],
+        positions=buf[t : 2 * t],
+        attn_metadata=meta,
+        num_sampled=num_sampled,
+        prompt_rows=prompt_rows,
+    )
