@@ -150,7 +150,7 @@ class AsyncLLMEngine:
         try:
             await asyncio.wrap_future(admitted)
         except asyncio.CancelledError:
-            self.abort(request_id)  # processed after the add: the request never runs for nobody
+            self.abort(request_id)  # queued after the add: dropped as soon as it is admitted
             raise
         return stream
 
@@ -183,9 +183,7 @@ class AsyncLLMEngine:
                     break
             if _STOP in commands:
                 error = EngineDeadError("the server is shutting down")
-                for command in commands:
-                    if isinstance(command, _Add) and command.admitted.set_running_or_notify_cancel():
-                        command.admitted.set_exception(error)
+                self._reject_adds(commands, error)
                 self._fail_all(error)
                 return
             try:
@@ -198,7 +196,9 @@ class AsyncLLMEngine:
             except Exception as e:  # noqa: BLE001  (whatever broke, no request may wait forever)
                 logger.exception("engine step failed; failing every in-flight request")
                 self.dead_error = e
-                self._fail_all(EngineDeadError(f"the engine failed: {type(e).__name__}: {e}"))
+                error = EngineDeadError(f"the engine failed: {type(e).__name__}: {e}")
+                self._reject_adds(commands, error)  # arrivals of this round not handled yet
+                self._fail_all(error)
 
     def _handle(self, command: _Add | _Abort) -> None:
         if isinstance(command, _Abort):
@@ -243,6 +243,14 @@ class AsyncLLMEngine:
                     self.metrics.observe_request_finished(reasons, now - tracked.arrival)
             items.append((tracked.stream, out))
         self._send(items)
+
+    @staticmethod
+    def _reject_adds(commands: list, error: BaseException) -> None:
+        for command in commands:
+            if not isinstance(command, _Add) or command.admitted.done():
+                continue
+            if command.admitted.running() or command.admitted.set_running_or_notify_cancel():
+                command.admitted.set_exception(error)
 
     def _fail_all(self, error: BaseException) -> None:
         items = [(t.stream, error) for t in self._tracked.values()]
