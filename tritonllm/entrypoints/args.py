@@ -111,6 +111,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--seed", type=int, default=0, help="Seed of the engine's sampling (requests without a seed).")
     g.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="Run decode steps eagerly instead of replaying CUDA graphs captured at start.",
+    )
+    g.add_argument(
         "--tensor-parallel-size",
         "-tp",
         type=int,
@@ -143,4 +148,5 @@ def engine_config_from_args(args: argparse.Namespace, model: str) -> EngineConfi
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=args.enable_prefix_caching,
         seed=args.seed,
+        enforce_eager=args.enforce_eager,
     )

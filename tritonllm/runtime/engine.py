@@ -84,6 +84,8 @@ class LLMEngine:
             config.num_gpu_blocks, config.kv_cache_memory, config.gpu_memory_utilization, max_batched
         )
         self.runner.allocate_kv_cache(num_blocks)
+        if device.type == "cuda" and not config.enforce_eager:
+            self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_model_len=self.max_model_len,

@@ -21,6 +21,7 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None  # default: max(8192, max_model_len)
     enable_prefix_caching: bool = True
     seed: int = 0
+    enforce_eager: bool = False  # True: no CUDA graphs (decode steps run eagerly, as prefill steps always do)
 
     DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 
