@@ -100,8 +100,11 @@ class SamplingMetadata:
         sample_indices = list(sample_indices) if sample_indices is not None else [0] * n
         greedy = [p.is_greedy for p in params]
 
+        pinned = torch.device(device).type == "cuda"
+
         def row_tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype).to(device)
+            # Pinned + non_blocking: a pageable copy would wait here for the forward pass still running.
+            return torch.tensor(values, dtype=dtype, pin_memory=pinned).to(device, non_blocking=pinned)
 
         # Any Python int becomes a 64-bit key, stored as the signed int64 with the same bits.
         keys = [((p.seed or 0) + i) % 2**64 for p, i in zip(params, sample_indices, strict=True)]
