@@ -220,19 +220,32 @@ def load_weights(
 
 
 @torch.no_grad()
-def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
-    """Random parameters (norm weights near 1, others N(0, 0.02), integer tensors uniform bits), reproducible."""
+def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
+    """Random parameters, reproducible from `seed`, that run like a trained model's would.
+
+    Norm weights N(1, std); other float weights N(0, std). Quantized layers: packed words (qweight, qzeros)
+    uniform over all 32 bits, so every packed field is uniform; scales positive, sized so that the dequantized
+    weights (q - z) * s also have a standard deviation of about `std`; other integer tensors (GPTQ's g_idx) keep
+    the values the layer was built with (regular groups).
+    """
+    scale_of: dict[int, float] = {}  # id(scales parameter) -> mean scale for the layer's bit width
+    for module in model.modules():
+        bits = getattr(getattr(getattr(module, "linear_method", None), "config", None), "bits", None)
+        scales = getattr(module, "scales", None)
+        if bits is not None and isinstance(scales, nn.Parameter):
+            # q and z uniform on [0, 2^bits): Var(q - z) = (4^bits - 1) / 6.
+            scale_of[id(scales)] = std / ((4**bits - 1) / 6) ** 0.5
     generators: dict[torch.device, torch.Generator] = {}
     for name, p in model.named_parameters():
         g = generators.setdefault(p.device, torch.Generator(device=p.device).manual_seed(seed))
-        if p.is_floating_point():
+        leaf = name.rsplit(".", 1)[-1]
+        if id(p) in scale_of:
+            p.uniform_(0.5 * scale_of[id(p)], 1.5 * scale_of[id(p)], generator=g)
+        elif p.is_floating_point():
             module_name = name.rsplit(".", 2)[-2] if "." in name else ""
-            if "norm" in module_name:
-                p.normal_(1.0, 0.02, generator=g)
-            else:
-                p.normal_(0.0, 0.02, generator=g)
-        else:
-            p.random_(generator=g)
+            p.normal_(1.0 if "norm" in module_name else 0.0, std, generator=g)
+        elif leaf in ("qweight", "qzeros"):
+            p.random_(-(2**31), 2**31, generator=g)
 
 
 def _get_quant_config(config: ModelConfig, path: str, quantization: str | None) -> QuantConfig | None:

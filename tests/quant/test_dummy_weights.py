@@ -1,0 +1,94 @@
+"""load_format="dummy" on quantized configs: packed words, scales and g_idx that run like a real checkpoint's."""
+
+from __future__ import annotations
+
+import json
+import os
+from functools import cache
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tests.helpers import DEVICE, seeds
+from tests.models.checkpoints import tiny_config
+from tritonllm.kernels.quant_dequant import awq_dequantize_ref, gptq_dequantize_ref
+from tritonllm.models.loader import init_dummy_weights, load_model
+from tritonllm.quant.pack import regular_g_idx, unpack_bits
+from tritonllm.runtime.forward_context import set_forward_context
+
+GROUP = 32
+FORMATS = {
+    "awq": {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True, "version": "gemm"},
+    "gptq4": {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": False, "sym": True},
+    "gptq8": {"quant_method": "gptq", "bits": 8, "group_size": GROUP, "desc_act": True, "sym": False},
+    "gptq3": {"quant_method": "gptq", "bits": 3, "group_size": GROUP},
+}
+
+
+@cache
+def _model(fmt: str, tmp_root: str):
+    path = f"{tmp_root}/{fmt}"
+    os.makedirs(path, exist_ok=True)
+    config = tiny_config("LlamaForCausalLM", quantization_config=FORMATS[fmt])
+    with open(f"{path}/config.json", "w") as f:
+        json.dump(config, f)
+    model, _ = load_model(path, dtype="float16", load_format="dummy", device=DEVICE)
+    return path, model
+
+
+@pytest.fixture(scope="module")
+def tmp_root(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("dummy-quant"))
+
+
+def _quantized_layers(model):
+    return [m for m in model.modules() if hasattr(m, "qweight")]
+
+
+def _dequantized(layer, fmt: str) -> torch.Tensor:
+    bits = FORMATS[fmt]["bits"]
+    if fmt == "awq":
+        return awq_dequantize_ref(layer.qweight, layer.qzeros, layer.scales, GROUP)
+    return gptq_dequantize_ref(layer.qweight, layer.qzeros, layer.scales, layer.g_idx[0], bits, GROUP, 1)
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@given(seed=seeds(), layer_index=st.integers(0, 3))
+def test_dummy_quantized_weights_are_sane(tmp_root, fmt, seed, layer_index):
+    _, model = _model(fmt, tmp_root)
+    init_dummy_weights(model, seed=seed)
+    layers = _quantized_layers(model)
+    assert len(layers) == 4 * model.config.num_hidden_layers  # qkv, o, gate_up, down per layer
+    layer = layers[layer_index % len(layers)]
+    bits = FORMATS[fmt]["bits"]
+
+    assert (layer.scales > 0).all() and torch.isfinite(layer.scales).all()
+    if fmt.startswith("gptq"):
+        k = layer.g_idx.shape[1]
+        # Layers keep their regular groups (a random g_idx would index groups that do not exist).
+        assert torch.equal(layer.g_idx.cpu(), regular_g_idx(k, GROUP).expand_as(layer.g_idx))
+    if bits in (4, 8):
+        # Every packed field is uniform over its range: the top bits of the words are used too.
+        fields = unpack_bits(layer.qweight, bits, dim=0 if fmt.startswith("gptq") else 1)
+        assert fields.min() == 0 and fields.max() == 2**bits - 1
+        assert (layer.qweight < 0).any()
+    w = _dequantized(layer, fmt).float()
+    assert torch.isfinite(w).all()
+    assert 0.01 < w.std().item() < 0.04  # like the dense dummy weights' 0.02, whatever the bit width
+
+
+@pytest.mark.parametrize("fmt", ["awq", "gptq4"])
+def test_dummy_quantized_model_runs_and_is_reproducible(tmp_root, fmt):
+    path, model = _model(fmt, tmp_root)
+    init_dummy_weights(model, seed=0)
+    again, _ = load_model(path, dtype="float16", load_format="dummy", device=DEVICE)
+    for (name, a), b in zip(model.named_parameters(), again.parameters(), strict=True):
+        assert torch.equal(a, b), name
+    for layer in _quantized_layers(again):
+        assert getattr(layer, "gptq_mode", "fused") == "fused"
+    ids = torch.arange(5, device=DEVICE) * 7
+    with torch.no_grad(), set_forward_context(None):
+        logits = again.compute_logits(again(ids, torch.arange(5, device=DEVICE)))
+    assert torch.isfinite(logits).all() and logits.std() > 0
