@@ -1,0 +1,101 @@
+"""Pieces the benchmarks share: timing, the copy bandwidth they are measured against, environment facts, and
+writing results as JSON + markdown. Imported by the scripts in this directory (run them from anywhere)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import tritonllm  # noqa: F401  (sets TRITON_INTERPRET before triton is used without a GPU)
+from tritonllm.platform import default_device
+
+
+def bench_device(name: str | None = None) -> torch.device:
+    return torch.device(name) if name else default_device()
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_ms(fn: Callable[[], Any], device: torch.device, warmup_ms: float = 25, rep_ms: float = 100) -> float:
+    """Median milliseconds per call. On a GPU: triton's do_bench (CUDA events, L2 flushed between calls, so
+    every call reads its inputs from HBM); elsewhere a wall-clock loop."""
+    if device.type == "cuda":
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+    fn()
+    times = []
+    deadline = time.perf_counter() + rep_ms / 1e3
+    while time.perf_counter() < deadline or len(times) < 3:
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def copy_bandwidth_gbs(device: torch.device, nbytes: int = 2**30) -> float:
+    """Device memory bandwidth as a large copy achieves it: (bytes read + bytes written) / time, in GB/s.
+    The roofline every benchmark here compares against, measured in the same run on the same device."""
+    if device.type != "cuda":
+        nbytes = min(nbytes, 2**26)
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 256)
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), device, warmup_ms=50, rep_ms=300)
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    import triton
+
+    info: dict[str, Any] = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+    }
+    try:
+        root = Path(__file__).resolve().parent.parent
+        info["commit"] = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    return info
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    def cell(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:,.1f}" if abs(v) >= 100 else f"{v:.3g}"
+        return str(v)
+
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_results(out_dir: str | os.PathLike, name: str, results: dict[str, Any], markdown: str) -> None:
+    """<out_dir>/<name>.json and <out_dir>/<name>.md; the markdown is printed too."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+    (out / f"{name}.md").write_text(markdown + "\n")
+    print(markdown, flush=True)
+    print(f"\nwrote {out / (name + '.json')} and {out / (name + '.md')}", flush=True)
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
