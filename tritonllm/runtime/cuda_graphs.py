@@ -133,7 +133,7 @@ class DecodeInputs:
         staged.copy_(self.host_small[:end], non_blocking=non_blocking)
         self.block_tables[:size, :width].copy_(staged[self.max_size :].view(size, width))
         if self._copied is not None:
-            self._copied.record()
+            self._copied.record(torch.cuda.current_stream(self.device))
 
 
 def decode_rows(
