@@ -80,7 +80,8 @@ def hf_static_batching(
     log(f"transformers {transformers.__version__}: building the model on {device} ...")
     model = load_hf_model(model_dir, dtype, device)
     with torch.inference_mode():
-        _generate(model, workload[:2], device)  # warm-up (cuBLAS handles, allocator)
+        warm = [BenchRequest(r.prompt_token_ids, 4, 0.0) for r in workload[:2]]
+        _generate(model, warm, device)  # warm-up (cuBLAS handles, allocator)
         batches = [workload[i : i + batch_size] for i in range(0, len(workload), batch_size)]
         elapsed = 0.0
         generated = 0
