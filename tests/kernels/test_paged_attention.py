@@ -7,12 +7,16 @@ from hypothesis import strategies as st
 
 from tests.helpers import DEVICE, DTYPES, assert_close, dtypes, randn, seeds
 from tritonllm.kernels.paged_attention import paged_attention, paged_attention_ref
+from tritonllm.kernels.paged_attention_config import HOPPER_H200, AttentionTarget, paged_attention_config
 
 HEAD_SIZES = [64, 80, 96, 128, 256]
 block_sizes = st.sampled_from([8, 16, 32])
 # (num_kv_heads, queries per kv head): MHA, GQA with power-of-two and odd groups, MQA.
 head_layouts = st.sampled_from([(2, 1), (2, 2), (1, 3), (2, 4), (1, 8), (1, 5)])
 windows = st.one_of(st.none(), st.integers(min_value=1, max_value=40))
+# Launch plans: None is this machine's own (one program per query tile over all KV heads, long KV tiles under the
+# interpreter); HOPPER_H200 is the GPU table (one KV head per program, 32-128 wide KV tiles, split-KV by SM count).
+targets = st.sampled_from([None, HOPPER_H200])
 
 
 @st.composite
@@ -112,7 +116,36 @@ def make_batch(
     )
 
 
-def run(b: Batch, sliding_window: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+def plan(
+    b: Batch,
+    target: AttentionTarget | None,
+    sliding_window: int | None = None,
+    num_splits: int | None = None,
+    max_seq_len: int | None = None,
+):
+    return paged_attention_config(
+        num_seqs=b.seq_lens.shape[0],
+        num_heads=b.q.shape[1],
+        num_kv_heads=b.k_cache.shape[2],
+        head_size=b.q.shape[2],
+        dtype=b.q.dtype,
+        max_query_len=b.max_query_len,
+        max_seq_len=max_seq_len or b.max_seq_len,
+        sliding_window=sliding_window,
+        num_splits=num_splits,
+        target=target,
+    )
+
+
+def run(
+    b: Batch,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,
+    target: AttentionTarget | None = None,
+    num_splits: int | None = None,
+    max_seq_len: int | None = None,
+) -> torch.Tensor:
+    config = None if target is None else plan(b, target, sliding_window, num_splits, max_seq_len)
     return paged_attention(
         b.q,
         b.k_cache,
@@ -121,10 +154,12 @@ def run(b: Batch, sliding_window: int | None = None, out: torch.Tensor | None = 
         b.seq_lens,
         b.block_tables,
         b.max_query_len,
-        b.max_seq_len,
+        max_seq_len or b.max_seq_len,
         b.scale,
         sliding_window=sliding_window,
         out=out,
+        num_splits=num_splits,
+        config=config,
     )
 
 
@@ -148,19 +183,28 @@ def scheduled_rows(b: Batch) -> torch.Tensor:
     block_size=block_sizes,
     window=windows,
     fused_q=st.booleans(),
+    target=targets,
     seed=seeds(),
 )
-def test_matches_reference(seqs, layout, head_size, block_size, window, dtype, fused_q, seed):
+def test_matches_reference(seqs, layout, head_size, block_size, window, dtype, fused_q, target, seed):
     b = make_batch(seqs, *layout, head_size, block_size, dtype, seed, fused_q=fused_q)
-    out = run(b, window)
+    out = run(b, window, target=target)
     assert out.shape == b.q.shape and out.dtype == dtype
     assert_close(out, reference(b, window), dtype=dtype)
 
 
-@given(seqs=sequences(), layout=head_layouts, block_size=block_sizes, window=windows, dtype=dtypes, seed=seeds())
-def test_block_permutation_changes_nothing(seqs, layout, block_size, window, dtype, seed):
+@given(
+    seqs=sequences(),
+    layout=head_layouts,
+    block_size=block_sizes,
+    window=windows,
+    dtype=dtypes,
+    target=targets,
+    seed=seeds(),
+)
+def test_block_permutation_changes_nothing(seqs, layout, block_size, window, dtype, target, seed):
     b = make_batch(seqs, *layout, 64, block_size, dtype, seed, spare_blocks=5)
-    expected = run(b, window)
+    expected = run(b, window, target=target)
     g = torch.Generator().manual_seed(seed + 7)
     perm = torch.randperm(b.k_cache.shape[0], generator=g).to(DEVICE)  # old physical id -> new
     k_moved, v_moved = torch.empty_like(b.k_cache), torch.empty_like(b.v_cache)
@@ -168,7 +212,7 @@ def test_block_permutation_changes_nothing(seqs, layout, block_size, window, dty
     b.k_cache, b.v_cache = k_moved, v_moved
     b.block_tables = perm[b.block_tables.long()].to(torch.int32)
     # Same values visited in the same order: bit-identical.
-    assert torch.equal(run(b, window), expected)
+    assert torch.equal(run(b, window, target=target), expected)
 
 
 @given(
@@ -177,24 +221,28 @@ def test_block_permutation_changes_nothing(seqs, layout, block_size, window, dty
     delta=st.sampled_from([-1, 0, 1]),
     layout=head_layouts,
     dtype=dtypes,
+    target=targets,
     seed=seeds(),
 )
-def test_sequences_crossing_block_boundaries(block_size, blocks, delta, layout, dtype, seed):
+def test_sequences_crossing_block_boundaries(block_size, blocks, delta, layout, dtype, target, seed):
     edge = blocks * block_size
     # Decode just before/at/after a boundary, a prefill ending there, and a chunk straddling it.
     seqs = [(edge + delta - 1, 1), (0, edge + delta), (edge - 2, 4 + delta)]
     b = make_batch(seqs, *layout, 64, block_size, dtype, seed)
-    assert_close(run(b), reference(b), dtype=dtype)
+    assert_close(run(b, target=target), reference(b), dtype=dtype)
 
 
-@given(seqs=sequences(max_seqs=2), block_size=block_sizes, dtype=dtypes, seed=seeds())
-def test_window_edges(seqs, block_size, dtype, seed):
+@given(seqs=sequences(max_seqs=2), block_size=block_sizes, dtype=dtypes, target=targets, seed=seeds())
+def test_window_edges(seqs, block_size, dtype, target, seed):
     b = make_batch(seqs, 2, 2, 64, block_size, dtype, seed)
     rows = scheduled_rows(b)
-    # A window covering the whole context is no window at all.
-    assert torch.equal(run(b, b.max_seq_len)[rows], run(b)[rows])
+    # A window covering the whole context is no window at all (the interpreter plans different tiles for it).
+    if target is not None:
+        assert torch.equal(run(b, b.max_seq_len, target=target)[rows], run(b, target=target)[rows])
+    else:
+        assert_close(run(b, b.max_seq_len)[rows], run(b)[rows], dtype=dtype)
     # A window of one: each query sees only its own key, so the output is its own value.
-    out = run(b, 1)
+    out = run(b, 1, target=target)
     expected = torch.empty_like(out)
     starts = b.query_start_loc.tolist()
     bs = block_size
@@ -216,11 +264,22 @@ def test_window_edges(seqs, block_size, dtype, seed):
     seed=seeds(),
 )
 def test_window_starting_at_a_kv_tile_edge(window, tiles, delta, query_len, block_size, dtype, seed):
-    # Every KV tile the kernel walks is 32 or 64 positions: put the first query's oldest visible key exactly on
-    # (or one before) a multiple of 64, where skipping whole tiles before the window is easiest to get wrong.
-    context_len = 64 * tiles + window - 1 + delta
+    # Put the first query's oldest visible key exactly on (or one before) an edge of the GPU plan's KV tiles,
+    # where skipping whole tiles before the window is easiest to get wrong.
+    tile_n = paged_attention_config(
+        num_seqs=2,
+        num_heads=4,
+        num_kv_heads=1,
+        head_size=64,
+        dtype=dtype,
+        max_query_len=query_len,
+        max_seq_len=1,
+        num_splits=1,
+        target=HOPPER_H200,
+    ).tile_n
+    context_len = tile_n * tiles + window - 1 + delta
     b = make_batch([(context_len, query_len), (context_len + 3, 1)], 1, 4, 64, block_size, dtype, seed)
-    assert_close(run(b, window), reference(b, window), dtype=dtype)
+    assert_close(run(b, window, target=HOPPER_H200, num_splits=1), reference(b, window), dtype=dtype)
 
 
 @given(seqs=sequences(max_seqs=2), dtype=dtypes, seed=seeds())
@@ -241,8 +300,8 @@ def _resident_mib() -> float:
 
 
 @settings(max_examples=3)
-@given(seqs=sequences(max_seqs=2), window=windows, dtype=dtypes, seed=seeds())
-def test_offsets_past_int32(seqs, window, dtype, seed):
+@given(seqs=sequences(max_seqs=2), window=windows, dtype=dtypes, num_splits=st.sampled_from([None, 2]), seed=seeds())
+def test_offsets_past_int32(seqs, window, dtype, num_splits, seed):
     # A cache of more than 2^31 elements whose used blocks sit at its very end: block_id * stride_block passes
     # 2^31, so 32-bit offsets would read the wrong memory. On the CPU only the touched pages get committed.
     block_size, num_kv_heads, head_size = 16, 2, 64
@@ -261,7 +320,7 @@ def test_offsets_past_int32(seqs, window, dtype, seed):
         num_blocks=num_blocks,
     )
     assert b.k_cache.numel() > 2**31 and b.block_tables.min() * b.k_cache.stride(0) >= 2**31
-    assert_close(run(b, window), reference(b, window), dtype=dtype)
+    assert_close(run(b, window, num_splits=num_splits), reference(b, window), dtype=dtype)
     if DEVICE.type == "cpu":
         assert _resident_mib() - before < 256, "the sparse cache got committed; the test would need real memory"
 

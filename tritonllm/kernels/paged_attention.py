@@ -5,22 +5,32 @@ query_len tokens (positions seq_len - query_len .. seq_len - 1); the KV of all s
 included, is already in the cache (`write_kv_cache` runs first). A decode step is query_len = 1, a fresh
 prefill is query_len = seq_len, everything else is a prefill over a cached prefix.
 
-Grid: (query tiles, kv heads). A query tile is BLOCK_Q tokens of one sequence times the Hq / Hk query heads
-that share one KV head, packed as BLOCK_M = BLOCK_Q * Hq/Hk rows, so each K/V tile loaded serves the whole
-GQA group. Each program walks its KV positions TILE_N at a time through the block table, skipping tiles
-that causality or the sliding window mask out entirely, with an fp32 online softmax.
-"""
+Grid: (query tiles, kv head groups, KV splits). A query tile is BLOCK_Q tokens of one sequence times the
+Hq / Hk query heads that share one KV head, packed as BLOCK_M rows, so each K/V tile loaded serves the whole
+GQA group. Each program walks its KV positions TILE_N at a time through the block table, skipping tiles that
+causality or the sliding window mask out entirely, with an fp32 online softmax.
 
-from dataclasses import dataclass
+Split-KV (flash-decoding): when every sequence fits one query tile, a third grid axis cuts each sequence's
+visible KV range into num_splits runs of whole tiles; each program stores its normalised partial output and
+log-sum-exp, and `merge_attention_partials` (paged_attention_split.py) combines them.
+
+Under the interpreter one program may cover all KV heads (KV_HEADS > 1): the heads sit side by side along
+the head dim, each query row keeps only its own head's columns of q, so q @ K^T is every row's dot with its
+own KV head, and only those columns of p @ V are stored. The GPU always runs KV_HEADS = 1. Launch shapes:
+paged_attention_config.py.
+"""
 
 import torch
 import triton
 import triton.language as tl
 
+from tritonllm.kernels.paged_attention_config import PagedAttentionConfig, current_target, paged_attention_config
+from tritonllm.kernels.paged_attention_split import merge_attention_partials
 from tritonllm.platform import INTERPRET, check_kernel_device
 
 _MAX_HEAD_SIZE = 256
 _LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
 
 
 @triton.jit
@@ -47,8 +57,11 @@ def _paged_attention_kernel(
     query_start_loc_ptr,
     seq_lens_ptr,
     block_tables_ptr,
+    part_out_ptr,
+    part_lse_ptr,
     qk_scale,
     num_seqs,
+    num_splits,
     stride_q_t,
     stride_q_h,
     stride_out_t,
@@ -60,6 +73,11 @@ def _paged_attention_kernel(
     stride_vc_slot,
     stride_vc_head,
     stride_bt_seq,
+    stride_po_t,
+    stride_po_h,
+    stride_po_s,
+    stride_pl_t,
+    stride_pl_h,
     QUERIES_PER_KV: tl.constexpr,
     HEAD_SIZE: tl.constexpr,
     HEAD_SIZE_PADDED: tl.constexpr,
@@ -67,64 +85,98 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     TILE_N: tl.constexpr,
+    KV_HEADS: tl.constexpr,
+    KV_HEADS_PADDED: tl.constexpr,
+    ONE_TILE_PER_SEQ: tl.constexpr,
+    SPLIT_KV: tl.constexpr,
     SLIDING_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     INTERPRET: tl.constexpr,
+    IDX: tl.constexpr,
 ):
-    q_tile = tl.program_id(0)
-    kv_head = tl.program_id(1)
-
-    seq = _find_seq(query_start_loc_ptr, q_tile, num_seqs, BLOCK_Q)
-    q_start = tl.load(query_start_loc_ptr + seq)
-    query_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    local_tile = q_tile - (q_start // BLOCK_Q + seq)
+    # IDX: int32 compiled; int64 under the interpreter, which checks every int32 add/mul for overflow with ~8
+    # extra ops (int64 is not checked), a large share of a program's cost there.
+    if ONE_TILE_PER_SEQ:
+        seq = tl.program_id(0).to(IDX)
+        local_tile = 0
+    else:
+        q_tile = tl.program_id(0).to(IDX)
+        seq = _find_seq(query_start_loc_ptr, q_tile, num_seqs, BLOCK_Q).to(IDX)
+        local_tile = q_tile - (tl.load(query_start_loc_ptr + seq).to(IDX) // BLOCK_Q + seq)
+    q_start = tl.load(query_start_loc_ptr + seq).to(IDX)
+    query_len = tl.load(query_start_loc_ptr + seq + 1).to(IDX) - q_start
     if local_tile * BLOCK_Q >= query_len:
-        return  # the grid over-counts tiles by up to one per sequence
-    seq_len = tl.load(seq_lens_ptr + seq)
+        return  # an idle sequence, or one of the up to one surplus tiles per sequence the grid counts
+    seq_len = tl.load(seq_lens_ptr + seq).to(IDX)
     context_len = seq_len - query_len
+    kv_head0 = tl.program_id(1).to(IDX) * KV_HEADS
 
-    # Row r of the tile: query token r // QUERIES_PER_KV of the tile, query head r % QUERIES_PER_KV of the group.
-    offs_m = tl.arange(0, BLOCK_M)
-    q_local = local_tile * BLOCK_Q + offs_m // QUERIES_PER_KV
-    q_head = kv_head * QUERIES_PER_KV + offs_m % QUERIES_PER_KV
-    row_valid = (offs_m < BLOCK_Q * QUERIES_PER_KV) & (q_local < query_len)
+    # Row r of the tile: query token r // (KV_HEADS * QUERIES_PER_KV) of the tile, then its heads in order.
+    offs_m = tl.arange(0, BLOCK_M).to(IDX)
+    q_local = local_tile * BLOCK_Q + offs_m // (KV_HEADS * QUERIES_PER_KV)
+    head_in_prog = offs_m % (KV_HEADS * QUERIES_PER_KV)
+    q_head = kv_head0 * QUERIES_PER_KV + head_in_prog
+    row_valid = (offs_m < BLOCK_Q * KV_HEADS * QUERIES_PER_KV) & (q_local < query_len)
     q_pos = context_len + q_local
-    offs_d = tl.arange(0, HEAD_SIZE_PADDED)
-    d_valid = offs_d < HEAD_SIZE
+
+    # Column c: element c % HEAD_SIZE_PADDED of KV head kv_head0 + c // HEAD_SIZE_PADDED.
+    offs_c = tl.arange(0, KV_HEADS_PADDED * HEAD_SIZE_PADDED).to(IDX)
+    if KV_HEADS == 1:
+        offs_d = offs_c
+        col_valid = offs_c < HEAD_SIZE
+        k_cols = kv_head0 * stride_kc_head + offs_c
+        v_cols = kv_head0 * stride_vc_head + offs_c
+        own = row_valid[:, None] & col_valid[None, :]
+    else:
+        col_head = offs_c // HEAD_SIZE_PADDED
+        offs_d = offs_c % HEAD_SIZE_PADDED
+        col_valid = (offs_d < HEAD_SIZE) & (col_head < KV_HEADS)
+        k_cols = (kv_head0 + col_head) * stride_kc_head + offs_d
+        v_cols = (kv_head0 + col_head) * stride_vc_head + offs_d
+        own = row_valid[:, None] & col_valid[None, :] & (col_head[None, :] == (head_in_prog // QUERIES_PER_KV)[:, None])
 
     token = (q_start + q_local).to(tl.int64)
     q_offs = token[:, None] * stride_q_t + q_head[:, None] * stride_q_h + offs_d[None, :]
-    q = tl.load(q_ptr + q_offs, mask=row_valid[:, None] & d_valid[None, :], other=0.0)
+    q = tl.load(q_ptr + q_offs, mask=own, other=0.0)
     if INTERPRET and q.dtype == tl.bfloat16:
-        q = q.to(tl.float32)  # the interpreter's bf16 tl.dot is wrong; compiled runs keep bf16
+        # The interpreter's bf16 tl.dot is wrong (compiled runs keep bf16). Exact bf16 -> fp32 by moving the bits
+        # up, inline: the interpreter's own cast walks every bit of every element, and a helper call re-patches
+        # triton.language on each call.
+        q = (q.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_SIZE_PADDED], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, KV_HEADS_PADDED * HEAD_SIZE_PADDED], dtype=tl.float32)
 
     # Keys this tile can see: causality ends at its last query, the window starts before its first query.
     kv_end = context_len + tl.minimum((local_tile + 1) * BLOCK_Q, query_len)
     kv_start = 0
     if SLIDING_WINDOW > 0:
         kv_start = tl.maximum(context_len + local_tile * BLOCK_Q - SLIDING_WINDOW + 1, 0)
-    # A split-KV (flash-decoding) path for long contexts at small batch goes here: a third grid axis over KV
-    # segments narrows [kv_start, kv_end) to one segment, the epilogue stores (acc, m_i, l_i) partials instead
-    # of the output, and a small reduce kernel merges the segments with the same rescaling as the loop below.
+    lo = (kv_start // TILE_N) * TILE_N
+    hi = kv_end
+    if SPLIT_KV:
+        # This program's run of whole tiles; the sequence's own length sets the run, so a launch sized for a
+        # longer max_seq_len leaves the trailing splits empty rather than unbalanced.
+        split = tl.program_id(2).to(IDX)
+        tiles_per_split = tl.cdiv(tl.cdiv(kv_end - lo, TILE_N), num_splits)
+        lo = lo + split * tiles_per_split * TILE_N
+        hi = tl.minimum(lo + tiles_per_split * TILE_N, kv_end)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
-    for n_start in range((kv_start // TILE_N) * TILE_N, kv_end, TILE_N):
-        offs_n = n_start + tl.arange(0, TILE_N)
-        n_valid = offs_n < kv_end
+    for n_start in range(lo, hi, TILE_N):
+        offs_n = n_start + tl.arange(0, TILE_N).to(IDX)
+        n_valid = offs_n < hi
         # int64: block_id * stride_block passes 2^31 in a large cache.
         block_id = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
         in_block = offs_n % BLOCK_SIZE
-        kv_mask = n_valid[:, None] & d_valid[None, :]
-        k_offs = block_id[:, None] * stride_kc_block + in_block[:, None] * stride_kc_slot + offs_d[None, :]
-        v_offs = block_id[:, None] * stride_vc_block + in_block[:, None] * stride_vc_slot + offs_d[None, :]
-        k = tl.load(k_cache_ptr + kv_head * stride_kc_head + k_offs, mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + kv_head * stride_vc_head + v_offs, mask=kv_mask, other=0.0)
+        kv_mask = n_valid[:, None] & col_valid[None, :]
+        k_offs = block_id[:, None] * stride_kc_block + in_block[:, None] * stride_kc_slot + k_cols[None, :]
+        v_offs = block_id[:, None] * stride_vc_block + in_block[:, None] * stride_vc_slot + v_cols[None, :]
+        k = tl.load(k_cache_ptr + k_offs, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + v_offs, mask=kv_mask, other=0.0)
         if INTERPRET and k.dtype == tl.bfloat16:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+            k = (k.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+            v = (v.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
 
         # Scores in the log2 domain: qk_scale = scale * log2(e), so exp2 below is the softmax's exp.
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
@@ -142,35 +194,17 @@ def _paged_attention_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    out_offs = token[:, None] * stride_out_t + q_head[:, None] * stride_out_h + offs_d[None, :]
-    tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & d_valid[None, :])
-
-
-@dataclass(slots=True, frozen=True)
-class _LaunchConfig:
-    block_m: int  # rows per program: BLOCK_Q query tokens x the GQA group
-    block_q: int
-    tile_n: int  # KV positions per loop iteration
-    num_warps: int
-    num_stages: int
-
-
-def _launch_config(queries_per_kv: int, head_size_padded: int, max_query_len: int, dtype: torch.dtype) -> _LaunchConfig:
-    """All launch heuristics in one place (tuned for Hopper; the interpreter runs the same tiles)."""
-    # tl.dot needs M >= 16; decode-heavy batches fill the 16 rows with the GQA group instead of more tokens.
-    rows_needed = max(1, max_query_len) * queries_per_kv
-    block_m = 16 if rows_needed <= 16 else 64
-    block_m = max(block_m, triton.next_power_of_2(queries_per_kv))
-    wide = head_size_padded > 128 or dtype == torch.float32
-    tile_n = 32 if (block_m == 16 or wide) else 64
-    return _LaunchConfig(
-        block_m=block_m,
-        block_q=block_m // queries_per_kv,
-        tile_n=tile_n,
-        num_warps=4 if block_m <= 64 else 8,
-        num_stages=2 if wide else 3,
-    )
+    has_keys = l_i > 0.0
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    if SPLIT_KV:
+        # Natural-log LSE of this split's scores (-inf for an empty split); the merge weighs splits by it.
+        lse = tl.where(has_keys, (m_i + tl.log2(tl.where(has_keys, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+        po_offs = token[:, None] * stride_po_t + q_head[:, None] * stride_po_h + split * stride_po_s + offs_d[None, :]
+        tl.store(part_out_ptr + po_offs, out, mask=own)
+        tl.store(part_lse_ptr + token * stride_pl_t + q_head * stride_pl_h + split, lse, mask=row_valid)
+    else:
+        out_offs = token[:, None] * stride_out_t + q_head[:, None] * stride_out_h + offs_d[None, :]
+        tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=own)
 
 
 def paged_attention(
@@ -185,6 +219,8 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    config: PagedAttentionConfig | None = None,
 ) -> torch.Tensor:
     """out[t, h] = sum_j softmax_j(scale * q[t, h] . k_j) v_j over the keys j that query t may see.
 
@@ -198,11 +234,111 @@ def paged_attention(
     query_start_loc: [B + 1] int32, cumulative query lengths from 0
     seq_lens:        [B] int32, tokens in context including this step's queries
     block_tables:    [B, max_blocks] int32, physical block ids; entries past a sequence's length are not read
-    max_query_len:   host-side bound, picks the tile shape (no device sync)
-    max_seq_len:     host-side bound, kept for choosing a future split-KV path; unused today
+    max_query_len:   host-side bound on every query_len (>= the true max; picks the tiles, no device sync)
+    max_seq_len:     host-side bound on every seq_len (>= the true max, e.g. max_model_len inside a CUDA graph);
+                     with the SM count it picks the number of KV splits
     out:             optional [T, Hq, D] in q's dtype, last dim contiguous; rows past query_start_loc[-1] untouched
-    Returns out.
+    num_splits:      None chooses; > 1 forces split-KV where it applies (see paged_attention_config)
+    config:          a launch configuration to use instead of the heuristics (benchmark sweeps, tests)
+    Returns out. No host syncs and no decision on tensor contents: safe to capture in a CUDA graph.
     """
+    _check_inputs(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, sliding_window)
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
+        raise ValueError(
+            f"out must be {tuple(q.shape)} {q.dtype} with a contiguous last dim, got {tuple(out.shape)} {out.dtype} "
+            f"strides {out.stride()}"
+        )
+    num_tokens, num_heads, head_size = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_seqs = seq_lens.shape[0]
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+
+    queries_per_kv = num_heads // num_kv_heads
+    if config is None:
+        config = paged_attention_config(
+            num_seqs=num_seqs,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_size=head_size,
+            dtype=q.dtype,
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
+            sliding_window=sliding_window,
+            num_splits=num_splits,
+            target=current_target(q.device.index or 0) if q.is_cuda else None,
+        )
+    _check_config(config, num_kv_heads, queries_per_kv, max_query_len)
+    cfg = config
+    one_tile_per_seq = max(1, max_query_len) <= cfg.block_q
+    split = cfg.num_splits > 1
+    if split:
+        # partial_out [T, Hq, S, D] fp32, partial_lse [T, Hq, S] fp32: every split of every scheduled row is written.
+        part_out = torch.empty(num_tokens, num_heads, cfg.num_splits, head_size, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(num_tokens, num_heads, cfg.num_splits, dtype=torch.float32, device=q.device)
+    else:
+        part_out, part_lse = out, out  # never touched without SPLIT_KV
+    fp32_dot = q.dtype == torch.float32 or (INTERPRET and q.dtype == torch.bfloat16)
+    # Without one tile per sequence: an upper bound on query tiles (see _find_seq); surplus programs return at once.
+    tiles = num_seqs if one_tile_per_seq else num_tokens // cfg.block_q + num_seqs
+    grid = (tiles, num_kv_heads // cfg.kv_heads_per_program, cfg.num_splits)
+    _paged_attention_kernel[grid](
+        out,
+        q,
+        k_cache,
+        v_cache,
+        query_start_loc,
+        seq_lens,
+        block_tables,
+        part_out,
+        part_lse,
+        scale * _LOG2E,
+        num_seqs,
+        cfg.num_splits,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_tables.stride(0),
+        part_out.stride(0),
+        part_out.stride(1),
+        part_out.stride(2) if split else 0,
+        part_lse.stride(0),
+        part_lse.stride(1),
+        QUERIES_PER_KV=queries_per_kv,
+        HEAD_SIZE=head_size,
+        HEAD_SIZE_PADDED=triton.next_power_of_2(head_size),
+        BLOCK_SIZE=block_size,
+        BLOCK_M=cfg.block_m,
+        BLOCK_Q=cfg.block_q,
+        TILE_N=cfg.tile_n,
+        KV_HEADS=cfg.kv_heads_per_program,
+        KV_HEADS_PADDED=triton.next_power_of_2(cfg.kv_heads_per_program),
+        ONE_TILE_PER_SEQ=one_tile_per_seq,
+        SPLIT_KV=split,
+        SLIDING_WINDOW=sliding_window or 0,
+        DOT_PRECISION="ieee" if fp32_dot else "tf32",
+        INTERPRET=INTERPRET,
+        IDX=tl.int64 if INTERPRET else tl.int32,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    if split:
+        merge_attention_partials(
+            part_out, part_lse, out, num_valid=query_start_loc[num_seqs:], heads_per_program=cfg.merge_heads_per_program
+        )
+    return out
+
+
+def _check_inputs(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, sliding_window) -> None:
     check_kernel_device(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables)
     if q.dim() != 3:
         raise ValueError(f"q must be [num_tokens, num_heads, head_size], got {tuple(q.shape)}; view it as (T, Hq, D)")
@@ -211,8 +347,8 @@ def paged_attention(
             f"k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, head_size], got "
             f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
         )
-    num_tokens, num_heads, head_size = q.shape
-    _, block_size, num_kv_heads, cache_head_size = k_cache.shape
+    _, num_heads, head_size = q.shape
+    _, _, num_kv_heads, cache_head_size = k_cache.shape
     if cache_head_size != head_size:
         raise ValueError(f"q head_size {head_size} != cache head_size {cache_head_size}; they must match")
     if head_size > _MAX_HEAD_SIZE:
@@ -244,57 +380,25 @@ def paged_attention(
         raise ValueError("block_tables rows must be contiguous; call .contiguous() on it")
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be None or >= 1, got {sliding_window}")
-    if out is None:
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
-        raise ValueError(
-            f"out must be {tuple(q.shape)} {q.dtype} with a contiguous last dim, got {tuple(out.shape)} {out.dtype} "
-            f"strides {out.stride()}"
-        )
-    if num_tokens == 0 or num_seqs == 0:
-        return out
 
-    queries_per_kv = num_heads // num_kv_heads
-    head_size_padded = triton.next_power_of_2(head_size)
-    cfg = _launch_config(queries_per_kv, head_size_padded, max_query_len, q.dtype)
-    fp32_dot = q.dtype == torch.float32 or (INTERPRET and q.dtype == torch.bfloat16)
-    # Upper bound on query tiles (see _find_seq); surplus programs return at once. No host sync needed.
-    grid = (num_tokens // cfg.block_q + num_seqs, num_kv_heads)
-    _paged_attention_kernel[grid](
-        out,
-        q,
-        k_cache,
-        v_cache,
-        query_start_loc,
-        seq_lens,
-        block_tables,
-        scale * _LOG2E,
-        num_seqs,
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        out.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
-        block_tables.stride(0),
-        QUERIES_PER_KV=queries_per_kv,
-        HEAD_SIZE=head_size,
-        HEAD_SIZE_PADDED=head_size_padded,
-        BLOCK_SIZE=block_size,
-        BLOCK_M=cfg.block_m,
-        BLOCK_Q=cfg.block_q,
-        TILE_N=cfg.tile_n,
-        SLIDING_WINDOW=sliding_window or 0,
-        DOT_PRECISION="ieee" if fp32_dot else "tf32",
-        INTERPRET=INTERPRET,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
-    return out
+
+def _check_config(cfg: PagedAttentionConfig, num_kv_heads: int, queries_per_kv: int, max_query_len: int) -> None:
+    pow2 = lambda x: x >= 1 and x & (x - 1) == 0
+    if cfg.kv_heads_per_program not in (1, num_kv_heads):
+        raise ValueError(f"config.kv_heads_per_program must be 1 or num_kv_heads ({num_kv_heads}), got {cfg}")
+    rows_per_token = cfg.kv_heads_per_program * queries_per_kv
+    if not (pow2(cfg.block_m) and pow2(cfg.tile_n) and pow2(cfg.merge_heads_per_program)):
+        raise ValueError(f"config.block_m, tile_n and merge_heads_per_program must be powers of two, got {cfg}")
+    if cfg.block_q < 1 or cfg.block_q * rows_per_token > cfg.block_m:
+        raise ValueError(
+            f"config.block_m {cfg.block_m} must hold block_q {cfg.block_q} tokens x {rows_per_token} heads; "
+            "build it with paged_attention_config()"
+        )
+    if cfg.num_splits < 1 or (cfg.num_splits > 1 and max(1, max_query_len) > cfg.block_q):
+        raise ValueError(
+            f"config.num_splits {cfg.num_splits} needs every sequence in one query tile (max_query_len "
+            f"{max_query_len} <= block_q {cfg.block_q}); use num_splits=1 for this batch"
+        )
 
 
 def paged_attention_ref(

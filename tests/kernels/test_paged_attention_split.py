@@ -1,0 +1,227 @@
+"""Split-KV (flash-decoding) paged attention: the split path, its merge kernel, and the launch heuristics."""
+
+import dataclasses
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.helpers import DEVICE, DTYPES, assert_close, dtypes, randn, seeds
+from tests.kernels.test_paged_attention import (
+    block_sizes,
+    make_batch,
+    plan,
+    reference,
+    run,
+    scheduled_rows,
+    targets,
+    windows,
+)
+from tritonllm.kernels.paged_attention import paged_attention
+from tritonllm.kernels.paged_attention_config import (
+    HOPPER_H200,
+    AttentionTarget,
+    PagedAttentionConfig,
+    choose_num_splits,
+    current_target,
+    paged_attention_config,
+)
+from tritonllm.kernels.paged_attention_split import merge_attention_partials, merge_attention_partials_ref
+
+# (num_kv_heads, queries per kv head), kept small: the GPU plan launches num_seqs x Hk x num_splits programs.
+small_layouts = st.sampled_from([(1, 1), (2, 2), (1, 5), (2, 4)])
+
+
+@st.composite
+def decode_batches(draw, max_seqs: int = 3, max_context: int = 200) -> list[tuple[int, int]]:
+    """(context_len, query_len): a long decode first, then decode, idle, a sequence shorter than one split, and a
+    short chunk that still fits one query tile."""
+    seqs = [(draw(st.integers(max_context // 4, max_context)), 1)]
+    for _ in range(draw(st.integers(0, max_seqs - 1))):
+        kind = draw(st.sampled_from(["decode", "decode", "decode", "short", "idle", "chunk"]))
+        if kind == "decode":
+            seqs.append((draw(st.integers(0, max_context)), 1))
+        elif kind == "short":  # a sequence shorter than one split: its later splits are empty
+            seqs.append((draw(st.integers(0, 3)), 1))
+        elif kind == "idle":
+            seqs.append((draw(st.integers(1, 20)), 0))
+        else:
+            seqs.append((draw(st.integers(0, max_context)), 2))
+    return seqs
+
+
+@settings(max_examples=6)
+@given(
+    seqs=decode_batches(),
+    layout=small_layouts,
+    head_size=st.sampled_from([64, 80, 128]),
+    block_size=block_sizes,
+    window=windows,
+    num_splits=st.sampled_from([2, 3, 5, 8]),
+    short_tiles=st.booleans(),
+    dtype=dtypes,
+    target=targets,
+    seed=seeds(),
+)
+def test_forced_split_matches_reference(
+    seqs, layout, head_size, block_size, window, num_splits, short_tiles, dtype, target, seed
+):
+    b = make_batch(seqs, *layout, head_size, block_size, dtype, seed)
+    cfg = plan(b, target or current_target(), window, num_splits)
+    assert cfg.num_splits == num_splits  # every sequence fits one query tile: the split path runs
+    if short_tiles:  # many KV tiles per sequence, rarely a multiple of the split count
+        cfg = dataclasses.replace(cfg, tile_n=16)
+    out = paged_attention(
+        b.q, b.k_cache, b.v_cache, b.query_start_loc, b.seq_lens, b.block_tables, b.max_query_len, b.max_seq_len,
+        b.scale, sliding_window=window, config=cfg,
+    )  # fmt: skip
+    assert_close(out, reference(b, window), dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@settings(max_examples=3)
+@given(
+    seqs=decode_batches(max_seqs=2, max_context=150),
+    max_model_len=st.sampled_from([1024, 2048, 4096]),
+    block_size=block_sizes,
+    window=windows,
+    seed=seeds(),
+)
+def test_split_chosen_for_small_batches_with_long_max_seq_len(seqs, max_model_len, block_size, window, dtype, seed):
+    # A CUDA graph captured at max_seq_len = max_model_len replays for sequences far shorter: the split count comes
+    # from the ints alone, and each sequence cuts its own (short) range, leaving most splits empty.
+    b = make_batch(seqs, 2, 4, 128, block_size, dtype, seed)
+    cfg = plan(b, HOPPER_H200, window, max_seq_len=max_model_len)
+    assert cfg.num_splits > 1
+    out = run(b, window, target=HOPPER_H200, max_seq_len=max_model_len)
+    assert_close(out, reference(b, window), dtype=dtype)
+
+
+@settings(max_examples=4)
+@given(
+    context=st.integers(0, 40),
+    prefill=st.integers(40, 80),
+    num_splits=st.sampled_from([2, 4]),
+    dtype=dtypes,
+    target=targets,
+    seed=seeds(),
+)
+def test_long_queries_fall_back_to_one_split(context, prefill, num_splits, dtype, target, seed):
+    # A sequence with more queries than one tile holds runs unsplit whatever num_splits asks for.
+    b = make_batch([(context, prefill), (30, 1)], 2, 4, 64, 16, dtype, seed)
+    on = target or current_target()
+    assert b.max_query_len > plan(b, on).block_q
+    assert plan(b, on, num_splits=num_splits).num_splits == 1
+    out = run(b, target=target, num_splits=num_splits)
+    assert torch.equal(out, run(b, target=target, num_splits=1))
+    assert_close(out, reference(b), dtype=dtype)
+    forced = PagedAttentionConfig(
+        block_m=16, block_q=4, tile_n=32, kv_heads_per_program=1, num_warps=4, num_stages=2, num_splits=2
+    )
+    with pytest.raises(ValueError, match="one query tile"):
+        paged_attention(
+            b.q, b.k_cache, b.v_cache, b.query_start_loc, b.seq_lens, b.block_tables, b.max_query_len,
+            b.max_seq_len, b.scale, config=forced,
+        )  # fmt: skip
+
+
+@given(seqs=decode_batches(max_seqs=2), dtype=dtypes, num_splits=st.sampled_from([2, 3]), target=targets, seed=seeds())
+def test_split_leaves_rows_past_the_batch_untouched(seqs, dtype, num_splits, target, seed):
+    b = make_batch(seqs, 1, 3, 80, 16, dtype, seed)
+    buf = randn(b.q.shape[0] + 3, b.q.shape[1], b.q.shape[2], dtype=dtype, seed=seed + 9)
+    before = buf.clone()
+    out = buf[1:]  # the last two rows are padding past query_start_loc[-1] (a graph's fixed batch size)
+    b.q = torch.cat([b.q, randn(2, *b.q.shape[1:], dtype=dtype, seed=seed + 5)])
+    assert run(b, out=out, target=target, num_splits=num_splits) is out
+    rows = scheduled_rows(b)
+    assert_close(out[rows], reference(b)[rows], dtype=dtype)
+    assert torch.equal(buf[0], before[0]) and torch.equal(buf[-2:], before[-2:])
+
+
+@given(
+    num_tokens=st.sampled_from([1, 2, 7]),
+    num_heads=st.sampled_from([1, 3, 8]),
+    num_splits=st.sampled_from([1, 2, 5, 16]),
+    head_size=st.sampled_from([5, 64, 123]),
+    heads_per_program=st.sampled_from([1, 2, 8]),
+    dtype=dtypes,
+    seed=seeds(),
+)
+def test_merge_matches_reference(num_tokens, num_heads, num_splits, head_size, heads_per_program, dtype, seed):
+    part_out = randn(num_tokens, num_heads, num_splits, head_size, dtype=torch.float32, seed=seed)
+    part_lse = randn(num_tokens, num_heads, num_splits, dtype=torch.float32, seed=seed + 1, scale=4.0)
+    g = torch.Generator().manual_seed(seed + 2)
+    empty = torch.rand(num_tokens, num_heads, num_splits, generator=g).to(DEVICE) < 0.3
+    part_lse[empty] = float("-inf")  # empty splits
+    part_lse[0, 0] = float("-inf")  # a row with no visible key at all
+    out = torch.empty(num_tokens, num_heads, head_size, dtype=dtype, device=DEVICE)
+    merge_attention_partials(part_out, part_lse, out, heads_per_program=heads_per_program)
+    expected = merge_attention_partials_ref(part_out, part_lse)
+    assert torch.equal(expected[0, 0], torch.zeros_like(expected[0, 0]))
+    assert_close(out, expected, dtype=dtype)
+
+
+@given(
+    num_programs=st.integers(1, 4096),
+    num_sms=st.sampled_from([1, 4, 78, 132, 148]),
+    max_seq_len=st.integers(1, 1 << 17),
+    tile_n=st.sampled_from([16, 32, 64, 128]),
+)
+def test_num_splits_heuristic(num_programs, num_sms, max_seq_len, tile_n):
+    n = choose_num_splits(num_programs, num_sms, max_seq_len, tile_n)
+    assert 1 <= n <= 64
+    if num_programs >= num_sms:
+        assert n == 1  # the grid already fills the GPU
+    if n > 1:
+        assert n * tile_n * 2 <= max_seq_len  # every split of the longest sequence walks >= 2 KV tiles
+        assert num_programs * (n - 1) < 2 * num_sms  # no more splits than it takes to reach 2 programs per SM
+    # More sequences never ask for more splits; longer contexts never ask for fewer.
+    assert choose_num_splits(num_programs + 1, num_sms, max_seq_len, tile_n) <= n
+    assert choose_num_splits(num_programs, num_sms, 2 * max_seq_len, tile_n) >= n
+
+
+@given(
+    head_size=st.sampled_from([32, 64, 80, 96, 128, 256]),
+    dtype=dtypes,
+    layout=st.sampled_from([(8, 4), (8, 1), (1, 32), (4, 2), (2, 5)]),
+    max_query_len=st.sampled_from([1, 2, 4, 16, 123, 1151]),
+    max_seq_len=st.sampled_from([5, 123, 1151, 32768]),
+    num_seqs=st.sampled_from([1, 8, 64, 256]),
+    interpret=st.booleans(),
+)
+def test_launch_plans_are_consistent(head_size, dtype, layout, max_query_len, max_seq_len, num_seqs, interpret):
+    num_kv_heads, queries_per_kv = layout
+    target = AttentionTarget(interpret=True, num_sms=1) if interpret else HOPPER_H200
+    cfg = paged_attention_config(
+        num_seqs=num_seqs,
+        num_heads=num_kv_heads * queries_per_kv,
+        num_kv_heads=num_kv_heads,
+        head_size=head_size,
+        dtype=dtype,
+        max_query_len=max_query_len,
+        max_seq_len=max_seq_len,
+        target=target,
+    )
+    pow2 = lambda x: x & (x - 1) == 0
+    assert pow2(cfg.block_m) and pow2(cfg.tile_n) and cfg.tile_n >= 16
+    assert 1 <= cfg.block_q and cfg.block_q * cfg.kv_heads_per_program * queries_per_kv <= cfg.block_m
+    assert cfg.num_splits == 1 or max_query_len <= cfg.block_q
+    if interpret:
+        assert cfg.num_splits == 1  # programs run in turn there: splitting only adds programs
+        if num_kv_heads * triton_next_pow2(head_size) <= 1024:
+            assert cfg.kv_heads_per_program == num_kv_heads  # one program covers every head of a query tile
+        if max_query_len <= 8:
+            assert cfg.block_q >= max_query_len  # decode: one program per sequence
+    else:
+        assert cfg.kv_heads_per_program == 1 and cfg.block_m >= 16
+        # K and V tiles per pipeline stage plus the Q tile fit Hopper's 227 KiB of shared memory.
+        elem = torch.finfo(dtype).bits // 8
+        hp = triton_next_pow2(head_size)
+        assert (cfg.num_stages * 2 * cfg.tile_n + cfg.block_m) * hp * elem <= 227 * 1024
+        if num_seqs * num_kv_heads < HOPPER_H200.num_sms and max_seq_len >= 4096 and max_query_len == 1:
+            assert cfg.num_splits > 1  # a small decode batch with long contexts gets split-KV on its own
+
+
+def triton_next_pow2(x: int) -> int:
+    return 1 << (x - 1).bit_length()

@@ -1,0 +1,208 @@
+"""Launch heuristics of paged attention (tritonllm/kernels/paged_attention.py), all in one place.
+
+Two targets with opposite cost models:
+- a GPU (tuned for Hopper): the kernel is bound by reading K/V, so a launch needs enough programs in flight
+  to saturate DRAM; decode at small batch splits each sequence's KV range over several programs (split-KV).
+- Triton's CPU interpreter: programs run one after another and every Triton op costs a fixed Python overhead
+  whatever its tile size, so the fastest launch is the fewest programs with the fewest loop iterations: one
+  program per query tile covering every KV head, KV tiles as long as the sequences.
+
+Every decision reads Python ints only (shapes, max_query_len, max_seq_len, the SM count), never tensor
+contents: a CUDA graph captured with max_seq_len = max_model_len replays correctly for shorter sequences.
+"""
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from tritonllm.platform import INTERPRET
+
+
+@dataclass(slots=True, frozen=True)
+class AttentionTarget:
+    """What a launch is planned for."""
+
+    interpret: bool  # Triton's interpreter: cost per op per program, not per element
+    num_sms: int  # streaming multiprocessors (1 under the interpreter: programs run in turn)
+
+
+HOPPER_H200 = AttentionTarget(interpret=False, num_sms=132)
+
+
+@functools.lru_cache(maxsize=8)
+def current_target(device_index: int = 0) -> AttentionTarget:
+    if INTERPRET or not torch.cuda.is_available():
+        return AttentionTarget(interpret=True, num_sms=1)
+    return AttentionTarget(
+        interpret=False, num_sms=torch.cuda.get_device_properties(device_index).multi_processor_count
+    )
+
+
+@dataclass(slots=True, frozen=True)
+class PagedAttentionConfig:
+    block_m: int  # rows per program: block_q query tokens x kv_heads_per_program x the GQA group (power of two)
+    block_q: int  # query tokens per program
+    tile_n: int  # KV positions per loop iteration (power of two)
+    kv_heads_per_program: int  # 1, or all KV heads (interpreter): heads packed block-diagonally along D
+    num_warps: int
+    num_stages: int
+    num_splits: int = 1  # > 1: split-KV, each sequence's KV range over this many programs, then a merge
+    merge_heads_per_program: int = 1  # query heads per program of the split-KV merge (power of two)
+
+
+@dataclass(slots=True, frozen=True)
+class _Tile:
+    block_m: int
+    tile_n: int
+    num_warps: int
+    num_stages: int
+
+
+# Hopper (sm_90) table for fp16/bf16, keyed by (padded head size, "decode" | "prefill"). "decode" is a query
+# tile of at most _DECODE_ROWS rows (decode, speculative decode, short chunks); its block_m is only an upper
+# bound, the tile shrinks to the rows needed (>= 16, the MMA height).
+# Where the numbers come from: FlashAttention-style Triton kernels on H100 for prefill (wgmma tiles of 64-128
+# rows, 3 stages: two K/V buffers in flight); for decode (mma.sync, 16 rows), the Triton 3.9 pipeliner keeps
+# num_stages - 3 K/V tiles in flight behind the block-table load (stages 5: two tiles, 70 KiB of shared memory
+# at D = 128), checked by compiling every entry for sm_90 offline (ptxas: no spills).
+# TODO(bench): replace with the best configs of `python benchmarks/bench_attention.py --sweep` on an H200.
+_DECODE_ROWS = 32
+_HOPPER_16BIT: dict[tuple[int, str], _Tile] = {
+    (64, "decode"): _Tile(block_m=32, tile_n=128, num_warps=4, num_stages=5),  # TODO(bench)
+    (128, "decode"): _Tile(block_m=32, tile_n=64, num_warps=4, num_stages=5),  # TODO(bench)
+    (256, "decode"): _Tile(block_m=32, tile_n=32, num_warps=4, num_stages=5),  # TODO(bench)
+    (64, "prefill"): _Tile(block_m=128, tile_n=64, num_warps=4, num_stages=3),  # TODO(bench)
+    (128, "prefill"): _Tile(block_m=128, tile_n=64, num_warps=8, num_stages=3),  # TODO(bench)
+    (256, "prefill"): _Tile(block_m=64, tile_n=32, num_warps=4, num_stages=2),  # TODO(bench)
+}
+# fp32 runs true-fp32 dots on FMA units (no tensor cores, operands in registers): narrow KV tiles and 8 warps
+# keep every entry free of register spills; it is the exactness path, not a fast one.
+_HOPPER_FP32: dict[tuple[int, str], _Tile] = {
+    (64, "decode"): _Tile(block_m=32, tile_n=32, num_warps=8, num_stages=2),
+    (128, "decode"): _Tile(block_m=32, tile_n=32, num_warps=8, num_stages=2),
+    (256, "decode"): _Tile(block_m=32, tile_n=16, num_warps=8, num_stages=2),
+    (64, "prefill"): _Tile(block_m=64, tile_n=32, num_warps=8, num_stages=2),
+    (128, "prefill"): _Tile(block_m=64, tile_n=16, num_warps=8, num_stages=2),
+    (256, "prefill"): _Tile(block_m=32, tile_n=16, num_warps=8, num_stages=2),
+}
+
+# Split-KV: programs the grid should reach per SM, and KV tiles each split walks at least, so that the partial
+# round trip (fp32 [splits, D] per head, merged by a second kernel) stays small next to the K/V it saves.
+# TODO(bench): measured knobs; the sweep prints the best num_splits per (batch, context) to check them against.
+_SPLIT_PROGRAMS_PER_SM = 2
+_SPLIT_MIN_TILES = 2
+_MAX_SPLITS = 64
+
+# Interpreter: caps that keep numpy tiles small (the interpreter's cost is per op, so tiles are otherwise free).
+_INTERP_MAX_ROWS = 256
+_INTERP_MAX_TILE_N = 1024
+_INTERP_MAX_COLS = 1024  # kv heads x padded head size packed into one program
+
+
+def choose_num_splits(num_programs: int, num_sms: int, max_seq_len: int, tile_n: int) -> int:
+    """KV splits per sequence for a launch of `num_programs` = num_seqs * num_kv_heads unsplit programs.
+
+    Split only while the grid is short of _SPLIT_PROGRAMS_PER_SM programs per SM, and never into splits shorter
+    than _SPLIT_MIN_TILES KV tiles of the longest sequence. Sequences shorter than max_seq_len leave their last
+    splits empty (they cost a launch, not a read), which is what a CUDA graph captured at max_model_len replays.
+    """
+    if num_programs <= 0 or num_programs >= num_sms:
+        return 1
+    wanted = triton.cdiv(_SPLIT_PROGRAMS_PER_SM * num_sms, num_programs)
+    by_length = max_seq_len // (tile_n * _SPLIT_MIN_TILES)
+    return max(1, min(wanted, by_length, _MAX_SPLITS))
+
+
+def paged_attention_config(
+    *,
+    num_seqs: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    dtype: torch.dtype,
+    max_query_len: int,
+    max_seq_len: int,
+    sliding_window: int | None = None,
+    num_splits: int | None = None,
+    target: AttentionTarget | None = None,
+) -> PagedAttentionConfig:
+    """Every launch decision of paged attention (`target`: default the current device or the interpreter).
+
+    num_splits: None chooses (split-KV only where it pays: a GPU grid too small for its SMs); an explicit value
+    is honoured where split-KV applies, which is when every sequence's queries fit in one query tile
+    (decode, speculative decode, short chunks); a batch with a longer prefill always runs unsplit.
+    """
+    target = target or current_target()
+    queries_per_kv = num_heads // num_kv_heads
+    head_padded = triton.next_power_of_2(head_size)
+    max_query_len = max(1, max_query_len)
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"num_splits must be None or >= 1, got {num_splits}")
+    if target.interpret:
+        shape = (num_kv_heads, queries_per_kv, head_padded, max_query_len, max_seq_len, sliding_window)
+        cfg = _interpreter_config(*shape, num_splits=1)
+    else:
+        cfg = _gpu_config(queries_per_kv, head_padded, dtype, max_query_len)
+    if max_query_len > cfg.block_q:
+        return cfg  # query tiles of one sequence cannot share partial buffers: no split-KV
+    if num_splits is None:
+        programs = num_seqs * triton.cdiv(num_kv_heads, cfg.kv_heads_per_program)
+        num_splits = 1 if target.interpret else choose_num_splits(programs, target.num_sms, max_seq_len, cfg.tile_n)
+    if num_splits == 1:
+        return cfg
+    if target.interpret:
+        cfg = _interpreter_config(*shape, num_splits=num_splits)  # shorter KV tiles, so each split gets some
+        merge_heads = triton.next_power_of_2(num_heads)
+    else:  # about 8K fp32 partial elements per merge program
+        merge_heads = triton.next_power_of_2(num_heads)
+        merge_heads = min(merge_heads, max(1, 8192 // (triton.next_power_of_2(num_splits) * head_padded)))
+    return dataclasses.replace(cfg, num_splits=num_splits, merge_heads_per_program=merge_heads)
+
+
+def _gpu_config(queries_per_kv: int, head_padded: int, dtype: torch.dtype, max_query_len: int) -> PagedAttentionConfig:
+    rows = max_query_len * queries_per_kv
+    phase = "decode" if rows <= _DECODE_ROWS else "prefill"
+    table = _HOPPER_FP32 if dtype == torch.float32 else _HOPPER_16BIT
+    tile = table[(max(64, head_padded), phase)]
+    block_m = tile.block_m
+    if phase == "decode":
+        block_m = min(block_m, max(16, triton.next_power_of_2(rows)))
+    block_m = max(block_m, triton.next_power_of_2(queries_per_kv))  # one token's GQA group always fits
+    return PagedAttentionConfig(
+        block_m=block_m,
+        block_q=block_m // queries_per_kv,
+        tile_n=tile.tile_n,
+        kv_heads_per_program=1,
+        num_warps=tile.num_warps,
+        num_stages=tile.num_stages,
+    )
+
+
+def _interpreter_config(
+    num_kv_heads: int,
+    queries_per_kv: int,
+    head_padded: int,
+    max_query_len: int,
+    max_seq_len: int,
+    sliding_window: int | None,
+    num_splits: int,
+) -> PagedAttentionConfig:
+    kv_heads = num_kv_heads if triton.next_power_of_2(num_kv_heads) * head_padded <= _INTERP_MAX_COLS else 1
+    rows_per_token = kv_heads * queries_per_kv
+    block_q = min(max_query_len, max(1, _INTERP_MAX_ROWS // rows_per_token))
+    block_m = triton.next_power_of_2(block_q * rows_per_token)
+    # The keys one query tile can see: the whole context, or its window plus the tile's own span.
+    span = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window + block_q)
+    span = triton.cdiv(span, max(1, num_splits))  # a forced split-KV still gets a tile per split
+    tile_n = min(max(16, triton.next_power_of_2(span)), _INTERP_MAX_TILE_N)
+    return PagedAttentionConfig(
+        block_m=block_m,
+        block_q=block_m // rows_per_token,
+        tile_n=tile_n,
+        kv_heads_per_program=kv_heads,
+        num_warps=1,
+        num_stages=1,
+    )
