@@ -24,13 +24,17 @@ import torch
 import triton
 import triton.language as tl
 
-from tritonllm.kernels.paged_attention_config import PagedAttentionConfig, current_target, paged_attention_config
+from tritonllm.kernels.paged_attention_config import (
+    PagedAttentionConfig,
+    check_config,
+    current_target,
+    paged_attention_config,
+)
 from tritonllm.kernels.paged_attention_split import merge_attention_partials
 from tritonllm.platform import INTERPRET, check_kernel_device
 
 _MAX_HEAD_SIZE = 256
 _LOG2E = 1.4426950408889634
-_LN2 = 0.6931471805599453
 
 
 @triton.jit
@@ -197,7 +201,8 @@ def _paged_attention_kernel(
     has_keys = l_i > 0.0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     if SPLIT_KV:
-        # Natural-log LSE of this split's scores (-inf for an empty split); the merge weighs splits by it.
+        # Natural-log LSE of this split's scores (log2 domain x ln 2; -inf for an empty split): the merge weighs
+        # splits by it.
         lse = tl.where(has_keys, (m_i + tl.log2(tl.where(has_keys, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
         po_offs = token[:, None] * stride_po_t + q_head[:, None] * stride_po_h + split * stride_po_s + offs_d[None, :]
         tl.store(part_out_ptr + po_offs, out, mask=own)
@@ -270,7 +275,7 @@ def paged_attention(
             num_splits=num_splits,
             target=current_target(q.device.index or 0) if q.is_cuda else None,
         )
-    _check_config(config, num_kv_heads, queries_per_kv, max_query_len)
+    check_config(config, num_kv_heads, queries_per_kv, max_query_len)
     cfg = config
     one_tile_per_seq = max(1, max_query_len) <= cfg.block_q
     split = cfg.num_splits > 1
@@ -380,25 +385,6 @@ def _check_inputs(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, 
         raise ValueError("block_tables rows must be contiguous; call .contiguous() on it")
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be None or >= 1, got {sliding_window}")
-
-
-def _check_config(cfg: PagedAttentionConfig, num_kv_heads: int, queries_per_kv: int, max_query_len: int) -> None:
-    pow2 = lambda x: x >= 1 and x & (x - 1) == 0
-    if cfg.kv_heads_per_program not in (1, num_kv_heads):
-        raise ValueError(f"config.kv_heads_per_program must be 1 or num_kv_heads ({num_kv_heads}), got {cfg}")
-    rows_per_token = cfg.kv_heads_per_program * queries_per_kv
-    if not (pow2(cfg.block_m) and pow2(cfg.tile_n) and pow2(cfg.merge_heads_per_program)):
-        raise ValueError(f"config.block_m, tile_n and merge_heads_per_program must be powers of two, got {cfg}")
-    if cfg.block_q < 1 or cfg.block_q * rows_per_token > cfg.block_m:
-        raise ValueError(
-            f"config.block_m {cfg.block_m} must hold block_q {cfg.block_q} tokens x {rows_per_token} heads; "
-            "build it with paged_attention_config()"
-        )
-    if cfg.num_splits < 1 or (cfg.num_splits > 1 and max(1, max_query_len) > cfg.block_q):
-        raise ValueError(
-            f"config.num_splits {cfg.num_splits} needs every sequence in one query tile (max_query_len "
-            f"{max_query_len} <= block_q {cfg.block_q}); use num_splits=1 for this batch"
-        )
 
 
 def paged_attention_ref(

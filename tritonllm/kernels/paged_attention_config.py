@@ -206,3 +206,23 @@ def _interpreter_config(
         num_warps=1,
         num_stages=1,
     )
+
+
+def check_config(cfg: PagedAttentionConfig, num_kv_heads: int, queries_per_kv: int, max_query_len: int) -> None:
+    """Raise a ValueError naming the problem when `cfg` cannot run this batch correctly."""
+    pow2 = lambda x: x >= 1 and x & (x - 1) == 0
+    if cfg.kv_heads_per_program not in (1, num_kv_heads):
+        raise ValueError(f"config.kv_heads_per_program must be 1 or num_kv_heads ({num_kv_heads}), got {cfg}")
+    rows_per_token = cfg.kv_heads_per_program * queries_per_kv
+    if not (pow2(cfg.block_m) and pow2(cfg.tile_n) and pow2(cfg.merge_heads_per_program)):
+        raise ValueError(f"config.block_m, tile_n and merge_heads_per_program must be powers of two, got {cfg}")
+    if cfg.block_q < 1 or cfg.block_q * rows_per_token > cfg.block_m:
+        raise ValueError(
+            f"config.block_m {cfg.block_m} must hold block_q {cfg.block_q} tokens x {rows_per_token} heads; "
+            "build it with paged_attention_config()"
+        )
+    if cfg.num_splits < 1 or (cfg.num_splits > 1 and max(1, max_query_len) > cfg.block_q):
+        raise ValueError(
+            f"config.num_splits {cfg.num_splits} needs every sequence in one query tile (max_query_len "
+            f"{max_query_len} <= block_q {cfg.block_q}); use num_splits=1 for this batch"
+        )

@@ -1,0 +1,507 @@
+"""Paged attention against torch SDPA and the copy bandwidth measured in the same run (not run by CI).
+
+    python benchmarks/bench_attention.py --out results/            # ~1-2 min on an H200
+    python benchmarks/bench_attention.py --out results/ --sweep    # + launch-config sweep for the Hopper table
+    python benchmarks/bench_attention.py --out /tmp/smoke --tiny   # toy shapes, any device (CPU: interpreter)
+
+Decode: one query token per sequence, batch 1..256 x context 512..8k, 32 query / 8 KV heads of 128, bf16, KV
+blocks of 16 scattered over the cache in random order. Ours reads the paged cache; SDPA reads the same K/V laid
+out contiguously ([B, 8, S, 128], GQA without copies). Both run as CUDA graph replays (as decode runs in the
+engine), with L2 flushed before each replay so K/V come from HBM. Effective bandwidth = (K + V + q + out bytes)
+/ time, also as a fraction of the copy bandwidth (a 4 GiB tensor cloned: bytes read + written per second).
+Prefill: causal self-attention of fresh sequences (query_len = seq_len), TFLOP/s counting the causal half.
+Writes attention.json and attention.md to --out.
+
+--sweep times every decode/prefill launch configuration in a grid on a subset of the shapes and reports the best
+per shape and per table entry: the numbers for `_HOPPER_16BIT` and the split-KV knobs in
+tritonllm/kernels/paged_attention_config.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import math
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_utils import bench_device, environment, log, markdown_table, time_ms, write_results  # noqa: E402
+
+from tritonllm.kernels.paged_attention import paged_attention  # noqa: E402
+from tritonllm.kernels.paged_attention_config import (  # noqa: E402
+    PagedAttentionConfig,
+    current_target,
+    paged_attention_config,
+)
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
+DECODE_BATCHES = (1, 8, 32, 64, 128, 256)
+DECODE_CONTEXTS = (512, 1024, 4096, 8192)
+PREFILL_LENS = (512, 2048, 8192)
+PREFILL_TOKENS = 16384  # batch = PREFILL_TOKENS // length
+SWEEP_DECODE = [(1, 1024), (1, 8192), (8, 4096), (32, 1024), (64, 8192), (256, 1024)]
+SWEEP_PREFILL = (512, 2048)
+MAX_DIFF = 0.05  # bf16 outputs of unit-variance attention: a larger gap to SDPA means a wrong result
+
+
+@dataclasses.dataclass(slots=True)
+class Shapes:
+    heads: int = HEADS
+    kv_heads: int = KV_HEADS
+    head_dim: int = HEAD_DIM
+    block: int = BLOCK
+    batches: tuple[int, ...] = DECODE_BATCHES
+    contexts: tuple[int, ...] = DECODE_CONTEXTS
+    prefill_lens: tuple[int, ...] = PREFILL_LENS
+    prefill_tokens: int = PREFILL_TOKENS
+    sweep_decode: tuple[tuple[int, int], ...] = tuple(SWEEP_DECODE)
+    sweep_prefill: tuple[int, ...] = SWEEP_PREFILL
+
+
+TINY = Shapes(
+    heads=4,
+    kv_heads=2,
+    head_dim=32,
+    batches=(1, 3),
+    contexts=(48, 96),
+    prefill_lens=(32,),
+    prefill_tokens=64,
+    sweep_decode=((1, 96),),
+    sweep_prefill=(32,),
+)
+
+
+def time_graph_ms(fn: Callable[[], object], device: torch.device, reps: int = 30) -> float:
+    """Median milliseconds of one replay of `fn` captured in a CUDA graph, L2 flushed before each replay.
+
+    The flush (a 256 MiB memset, ~0.1 ms) keeps the GPU busy while the host enqueues the replay, so the events
+    time the kernels alone, with no launch gaps: how decode runs in the engine. Elsewhere: a wall-clock median.
+    """
+    if device.type != "cuda":
+        return time_ms(fn, device, warmup_ms=1, rep_ms=20)
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(3):  # compile and warm up outside the capture
+            fn()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    graph.replay()
+    for start, end in zip(starts, ends, strict=True):
+        flush.zero_()
+        start.record()
+        graph.replay()
+        end.record()
+    torch.cuda.synchronize(device)
+    times = sorted(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))
+    return times[len(times) // 2]
+
+
+def clone_bandwidth_gbs(device: torch.device, nbytes: int) -> float:
+    """(bytes read + bytes written) / time of cloning a `nbytes` tensor: the bandwidth a large copy achieves."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 256)
+    ms = time_ms(lambda: src.clone(), device, warmup_ms=50, rep_ms=400)
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+@dataclasses.dataclass(slots=True)
+class PagedKV:
+    """The same random K/V twice: scattered over a paged cache, and contiguous for SDPA."""
+
+    k_cache: torch.Tensor  # [num_blocks, block, Hk, D]
+    v_cache: torch.Tensor
+    block_tables: torch.Tensor  # [B, S / block] int32, a random permutation of the blocks
+    k: torch.Tensor  # [B, Hk, S, D]
+    v: torch.Tensor
+
+
+def make_kv(batch: int, context: int, s: Shapes, dtype: torch.dtype, device: torch.device, seed: int) -> PagedKV:
+    if context % s.block:
+        raise ValueError(f"context {context} must be a multiple of the block size {s.block}")
+    g = torch.Generator(device=device).manual_seed(seed)
+    k = torch.randn(batch, s.kv_heads, context, s.head_dim, generator=g, device=device, dtype=dtype)
+    v = torch.randn(batch, s.kv_heads, context, s.head_dim, generator=g, device=device, dtype=dtype)
+    blocks = context // s.block
+    perm = torch.randperm(batch * blocks, generator=g, device=device)
+    caches = []
+    for x in (k, v):
+        # [B, Hk, S, D] -> [B * S / block, block, Hk, D], then block j of sequence b to physical block perm[...].
+        paged = x.view(batch, s.kv_heads, blocks, s.block, s.head_dim).permute(0, 2, 3, 1, 4)
+        cache = torch.empty(batch * blocks, s.block, s.kv_heads, s.head_dim, dtype=dtype, device=device)
+        cache[perm] = paged.reshape(batch * blocks, s.block, s.kv_heads, s.head_dim)
+        caches.append(cache)
+    tables = perm.view(batch, blocks).to(torch.int32)
+    return PagedKV(caches[0], caches[1], tables, k, v)
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def _target(device: torch.device):
+    return current_target(device.index or 0) if device.type == "cuda" else None
+
+
+@dataclasses.dataclass(slots=True)
+class Case:
+    """One batch: `ours(config)` and `sdpa()` are callables over the same inputs."""
+
+    ours: Callable[[PagedAttentionConfig], Callable[[], None]]
+    sdpa: Callable[[], torch.Tensor]
+    check: Callable[[PagedAttentionConfig], float]  # max |ours - sdpa|
+    config: PagedAttentionConfig  # what paged_attention chooses by itself
+    work: float  # decode: bytes moved; prefill: FLOPs
+    batch: int
+
+
+def _case(batch, query_len, context, s, dtype, device) -> Case:
+    kv = make_kv(batch, context, s, dtype, device, seed=batch * 100003 + context)
+    g = torch.Generator(device=device).manual_seed(context + query_len)
+    q = torch.randn(batch * query_len, s.heads, s.head_dim, generator=g, device=device, dtype=dtype)
+    out = torch.empty_like(q)
+    i32 = dict(dtype=torch.int32, device=device)
+    query_start_loc = torch.arange(0, batch * query_len + 1, query_len, **i32)
+    seq_lens = torch.full((batch,), context, **i32)
+    scale = s.head_dim**-0.5
+    config = paged_attention_config(
+        num_seqs=batch,
+        num_heads=s.heads,
+        num_kv_heads=s.kv_heads,
+        head_size=s.head_dim,
+        dtype=dtype,
+        max_query_len=query_len,
+        max_seq_len=context,
+        target=_target(device),
+    )
+
+    def ours(cfg: PagedAttentionConfig) -> Callable[[], None]:
+        def call():
+            paged_attention(
+                q, kv.k_cache, kv.v_cache, query_start_loc, seq_lens, kv.block_tables, query_len, context, scale,
+                out=out, config=cfg,
+            )  # fmt: skip
+
+        return call
+
+    q4 = q.view(batch, query_len, s.heads, s.head_dim).transpose(1, 2)  # [B, Hq, L, D]
+    causal = query_len > 1
+
+    def theirs() -> torch.Tensor:
+        return sdpa(q4, kv.k, kv.v, causal=causal)
+
+    def check(cfg: PagedAttentionConfig) -> float:
+        ours(cfg)()
+        ref = theirs().transpose(1, 2).reshape_as(out)
+        return (out.float() - ref.float()).abs().max().item()
+
+    elem = torch.finfo(dtype).bits // 8
+    if query_len == 1:
+        work = 2 * batch * context * s.kv_heads * s.head_dim * elem + 2 * q.numel() * elem
+    else:  # QK^T and PV over the causal half
+        work = 4 * batch * s.heads * s.head_dim * query_len * (query_len + 1) / 2
+    return Case(ours, theirs, check, config, work, batch)
+
+
+def decode_case(batch: int, context: int, s: Shapes, dtype, device) -> Case:
+    return _case(batch, 1, context, s, dtype, device)
+
+
+def prefill_case(length: int, s: Shapes, dtype, device) -> Case:
+    return _case(max(1, s.prefill_tokens // length), length, length, s, dtype, device)
+
+
+def run_decode(s, dtype, device, copy_gbs) -> list[dict]:
+    rows = []
+    for batch, context in itertools.product(s.batches, s.contexts):
+        case = decode_case(batch, context, s, dtype, device)
+        err = case.check(case.config)
+        if err > MAX_DIFF:
+            log(f"WARNING: decode B={batch} S={context} differs from SDPA by {err:.3g}")
+        t_ours = time_graph_ms(case.ours(case.config), device)
+        t_sdpa = time_graph_ms(case.sdpa, device)
+        row = dict(
+            batch=batch,
+            context=context,
+            num_splits=case.config.num_splits,
+            ours_us=t_ours * 1e3,
+            ours_gbs=case.work / (t_ours * 1e-3) / 1e9,
+            sdpa_us=t_sdpa * 1e3,
+            sdpa_gbs=case.work / (t_sdpa * 1e-3) / 1e9,
+            max_abs_diff=err,
+            config=dataclasses.asdict(case.config),
+        )
+        row["ours_pct_copy"] = 100 * row["ours_gbs"] / copy_gbs
+        row["sdpa_pct_copy"] = 100 * row["sdpa_gbs"] / copy_gbs
+        log(
+            f"decode B={batch:3d} S={context:5d} splits={case.config.num_splits:2d}: ours {row['ours_us']:8.1f} us "
+            f"{row['ours_pct_copy']:5.1f}% | sdpa {row['sdpa_us']:8.1f} us {row['sdpa_pct_copy']:5.1f}% | "
+            f"diff {err:.2g}"
+        )
+        rows.append(row)
+        del case
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def run_prefill(s, dtype, device) -> list[dict]:
+    rows = []
+    for length in s.prefill_lens:
+        case = prefill_case(length, s, dtype, device)
+        err = case.check(case.config)
+        if err > MAX_DIFF:
+            log(f"WARNING: prefill L={length} differs from SDPA by {err:.3g}")
+        t_ours = time_ms(case.ours(case.config), device)
+        t_sdpa = time_ms(case.sdpa, device)
+        row = dict(
+            length=length,
+            batch=case.batch,
+            ours_ms=t_ours,
+            ours_tflops=case.work / (t_ours * 1e-3) / 1e12,
+            sdpa_ms=t_sdpa,
+            sdpa_tflops=case.work / (t_sdpa * 1e-3) / 1e12,
+            max_abs_diff=err,
+            config=dataclasses.asdict(case.config),
+        )
+        log(
+            f"prefill L={length:5d} B={case.batch:3d}: ours {t_ours:7.3f} ms {row['ours_tflops']:6.1f} TF/s | "
+            f"sdpa {t_sdpa:7.3f} ms {row['sdpa_tflops']:6.1f} TF/s | diff {err:.2g}"
+        )
+        rows.append(row)
+    return rows
+
+
+def _rank_tiles(rows: list[dict], key: str) -> list[dict]:
+    """Tiles timed on every shape, by the geometric mean over shapes of (time / that shape's best time)."""
+    best: dict[str, float] = {}
+    per_tile: dict[str, dict[str, float]] = {}
+    for r in rows:
+        best[r["shape"]] = min(best.get(r["shape"], math.inf), r[key])
+        tile = per_tile.setdefault(r["tile"], {})
+        tile[r["shape"]] = min(tile.get(r["shape"], math.inf), r[key])  # a tile's best split count per shape
+    ranked = sorted(
+        (math.exp(sum(math.log(t / best[shape]) for shape, t in times.items()) / len(times)), tile)
+        for tile, times in per_tile.items()
+        if len(times) == len(best)
+    )
+    return [dict(tile=tile, slowdown_vs_best=score) for score, tile in ranked[:8]]
+
+
+def _try_time(label: str, make: Callable[[], tuple[float, float]]) -> tuple[float, float] | None:
+    try:
+        return make()
+    except Exception as e:  # noqa: BLE001  (a config that does not fit the GPU is a data point, not a failure)
+        log(f"sweep {label}: {type(e).__name__}: {str(e)[:120]}")
+        return None
+
+
+def run_sweep(s, dtype, device, copy_gbs) -> dict:
+    """Time a grid of launch configs; report the best per shape and the best single tile for the table."""
+    decode = []
+    for batch, context in s.sweep_decode:
+        case = decode_case(batch, context, s, dtype, device)
+        base = case.config
+        splits = sorted({1, base.num_splits, max(1, base.num_splits // 2), min(64, 2 * base.num_splits)})
+        configs = [base]  # the default first, then the grid
+        for tile_n, warps, stages, n in itertools.product((32, 64, 128), (4, 8), (3, 4, 5, 6), splits):
+            cfg = paged_attention_config(
+                num_seqs=batch,
+                num_heads=s.heads,
+                num_kv_heads=s.kv_heads,
+                head_size=s.head_dim,
+                dtype=dtype,
+                max_query_len=1,
+                max_seq_len=context,
+                num_splits=n,
+                target=_target(device),
+            )
+            cfg = dataclasses.replace(cfg, tile_n=tile_n, num_warps=warps, num_stages=stages)
+            if cfg != base:
+                configs.append(cfg)
+        for cfg in configs:
+            tile = f"tile_n={cfg.tile_n} warps={cfg.num_warps} stages={cfg.num_stages}"
+            label = f"decode B={batch} S={context} {tile} splits={cfg.num_splits}"
+            timed = _try_time(
+                label, lambda cfg=cfg, case=case: (case.check(cfg), time_graph_ms(case.ours(cfg), device, 15))
+            )
+            if timed is None:
+                continue
+            err, t = timed
+            decode.append(
+                dict(
+                    shape=f"B={batch} S={context}",
+                    tile=tile,
+                    num_splits=cfg.num_splits,
+                    us=t * 1e3,
+                    pct_copy=100 * case.work / (t * 1e-3) / 1e9 / copy_gbs,
+                    max_abs_diff=err,
+                    is_default=cfg is base,
+                )
+            )
+        mine = [r for r in decode if r["shape"] == f"B={batch} S={context}"]
+        if mine:
+            top = min(mine, key=lambda r: r["us"])
+            log(f"sweep decode B={batch} S={context}: best {top['tile']} splits={top['num_splits']} {top['us']:.1f} us")
+    prefill = []
+    for length in s.sweep_prefill:
+        case = prefill_case(length, s, dtype, device)
+        rows_per_token = s.heads // s.kv_heads * case.config.kv_heads_per_program
+        configs = [case.config]
+        for block_m, tile_n, warps, stages in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4)):
+            cfg = dataclasses.replace(
+                case.config, block_m=block_m, block_q=max(1, block_m // rows_per_token), tile_n=tile_n,
+                num_warps=warps, num_stages=stages,
+            )  # fmt: skip
+            if cfg != case.config:
+                configs.append(cfg)
+        for cfg in configs:
+            tile = f"block_m={cfg.block_m} tile_n={cfg.tile_n} warps={cfg.num_warps} stages={cfg.num_stages}"
+            timed = _try_time(
+                f"prefill L={length} {tile}",
+                lambda cfg=cfg, case=case: (case.check(cfg), time_ms(case.ours(cfg), device, rep_ms=50)),
+            )
+            if timed is None:
+                continue
+            err, t = timed
+            prefill.append(
+                dict(
+                    shape=f"L={length}",
+                    tile=tile,
+                    ms=t,
+                    tflops=case.work / (t * 1e-3) / 1e12,
+                    max_abs_diff=err,
+                    is_default=cfg is case.config,
+                )
+            )
+    return dict(
+        decode=decode,
+        prefill=prefill,
+        decode_best_tiles=_rank_tiles(decode, "us"),
+        prefill_best_tiles=_rank_tiles(prefill, "ms"),
+    )
+
+
+def render(results: dict) -> str:
+    env, copy_gbs = results["environment"], results["copy_gbs"]
+    parts = [
+        f"# Paged attention on {env['device']}",
+        "",
+        f"Copy bandwidth (clone of a {results['copy_bytes'] / 2**30:g} GiB tensor, read + write): "
+        f"**{copy_gbs:,.0f} GB/s**. "
+        f"{results['shapes']}, {results['dtype']}.",
+        "",
+        "## Decode (one query per sequence; CUDA graph replays, L2 flushed)",
+        "",
+        markdown_table(
+            [
+                "batch",
+                "context",
+                "splits",
+                "ours us",
+                "ours GB/s",
+                "ours % copy",
+                "SDPA us",
+                "SDPA GB/s",
+                "SDPA % copy",
+                "SDPA / ours",
+            ],
+            [
+                [
+                    r["batch"],
+                    r["context"],
+                    r["num_splits"],
+                    r["ours_us"],
+                    r["ours_gbs"],
+                    r["ours_pct_copy"],
+                    r["sdpa_us"],
+                    r["sdpa_gbs"],
+                    r["sdpa_pct_copy"],
+                    r["sdpa_us"] / r["ours_us"],
+                ]
+                for r in results["decode"]
+            ],
+        ),  # fmt: skip
+        "",
+        "## Prefill (causal, fresh sequences)",
+        "",
+        markdown_table(
+            ["length", "batch", "ours ms", "ours TFLOP/s", "SDPA ms", "SDPA TFLOP/s", "ours / SDPA"],
+            [
+                [
+                    r["length"],
+                    r["batch"],
+                    r["ours_ms"],
+                    r["ours_tflops"],
+                    r["sdpa_ms"],
+                    r["sdpa_tflops"],
+                    r["ours_tflops"] / r["sdpa_tflops"],
+                ]
+                for r in results["prefill"]
+            ],
+        ),  # fmt: skip
+    ]
+    if "sweep" in results:
+        sweep = results["sweep"]
+        parts += ["", "## Sweep: best launch config per shape (the default is what paged_attention picks)", ""]
+        for kind, key, unit in (("decode", "us", "us"), ("prefill", "ms", "ms")):
+            rows = []
+            for shape in dict.fromkeys(r["shape"] for r in sweep[kind]):
+                mine = [r for r in sweep[kind] if r["shape"] == shape]
+                top = min(mine, key=lambda r: r[key])
+                default = next((r[key] for r in mine if r["is_default"]), float("nan"))
+                splits = f" splits={top['num_splits']}" if kind == "decode" else ""
+                rows.append([shape, default, top["tile"] + splits, top[key], default / top[key]])
+            parts += [
+                markdown_table([kind, f"default {unit}", "best config", f"best {unit}", "default / best"], rows),
+                "",
+                f"Single {kind} tiles over all its shapes (geometric-mean slowdown against each shape's best):",
+                "",
+                markdown_table(
+                    ["tile", "slowdown"], [[r["tile"], r["slowdown_vs_best"]] for r in sweep[f"{kind}_best_tiles"]]
+                ),
+                "",
+            ]
+    return "\n".join(parts)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="directory for attention.json and attention.md")
+    parser.add_argument("--sweep", action="store_true", help="also sweep launch configs (a few more minutes)")
+    parser.add_argument("--tiny", action="store_true", help="toy shapes: a smoke test that runs anywhere")
+    parser.add_argument("--device", default=None)
+    args = parser.parse_args()
+    device = bench_device(args.device)
+    shapes = TINY if args.tiny else Shapes()
+    dtype = torch.bfloat16
+    copy_bytes = 4 << 30 if device.type == "cuda" else 64 << 20
+    log(f"device {device}; copy bandwidth ...")
+    copy_gbs = clone_bandwidth_gbs(device, copy_bytes)
+    log(f"copy bandwidth {copy_gbs:,.0f} GB/s")
+    results = dict(
+        environment=environment(device),
+        dtype=str(dtype),
+        shapes=f"{shapes.heads} query / {shapes.kv_heads} KV heads of {shapes.head_dim}, block {shapes.block}",
+        copy_gbs=copy_gbs,
+        copy_bytes=copy_bytes,
+        decode=run_decode(shapes, dtype, device, copy_gbs),
+        prefill=run_prefill(shapes, dtype, device),
+    )
+    if args.sweep:
+        results["sweep"] = run_sweep(shapes, dtype, device, copy_gbs)
+    write_results(args.out, "attention", results, render(results))
+
+
+if __name__ == "__main__":
+    main()
