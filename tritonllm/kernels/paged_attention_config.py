@@ -96,8 +96,9 @@ _SPLIT_PROGRAMS_PER_SM = 2
 _SPLIT_MIN_TILES = 2
 _MAX_SPLITS = 64
 
-# Interpreter: caps that keep numpy tiles small (the interpreter's cost is per op, so tiles are otherwise free).
-_INTERP_MAX_ROWS = 256
+# Interpreter: tiles are nearly free there (numpy), ops and programs are not. Triton caps a tile at 2^20
+# elements, so rows x KV positions, rows x columns and KV positions x columns each stay within 1024 x 1024.
+_INTERP_MAX_ROWS = 1024
 _INTERP_MAX_TILE_N = 1024
 _INTERP_MAX_COLS = 1024  # kv heads x padded head size packed into one program
 
@@ -155,10 +156,10 @@ def paged_attention_config(
         return cfg
     if target.interpret:
         cfg = _interpreter_config(*shape, num_splits=num_splits)  # shorter KV tiles, so each split gets some
-        merge_heads = triton.next_power_of_2(num_heads)
-    else:  # about 8K fp32 partial elements per merge program
-        merge_heads = triton.next_power_of_2(num_heads)
-        merge_heads = min(merge_heads, max(1, 8192 // (triton.next_power_of_2(num_splits) * head_padded)))
+    # Partial elements per merge program: ~8K on a GPU (registers); up to 2^18 under the interpreter (few programs).
+    budget = 1 << 18 if target.interpret else 8192
+    merge_heads = triton.next_power_of_2(num_heads)
+    merge_heads = min(merge_heads, max(1, budget // (triton.next_power_of_2(num_splits) * head_padded)))
     return dataclasses.replace(cfg, num_splits=num_splits, merge_heads_per_program=merge_heads)
 
 
