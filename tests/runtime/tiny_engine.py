@@ -39,7 +39,7 @@ MODEL_CONFIG: dict[str, Any] = tiny_config(
     tie_word_embeddings=False,
     bos_token_id=BOS,
     eos_token_id=EOS,
-    max_position_embeddings=64,
+    max_position_embeddings=128,
 )
 
 # Small blocks so that short prompts span several; a pool big enough for any one test request alone.
