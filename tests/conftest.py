@@ -1,7 +1,8 @@
 import os
 
-import tritonllm  # noqa: F401  (sets TRITON_INTERPRET before any kernel is decorated)
 from hypothesis import HealthCheck, settings
+
+import tritonllm  # noqa: F401  (sets TRITON_INTERPRET before any kernel is decorated)
 
 # `ci`: few derandomized examples so the interpreter stays fast; `gpu`: many fresh ones for compiled runs.
 settings.register_profile(
