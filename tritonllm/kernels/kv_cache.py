@@ -68,6 +68,15 @@ def _write_kv_cache_kernel(
     tl.store(v_cache_ptr + dst_v, v, mask=mask)
 
 
+def check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """The paged layout every kernel shares: two equal tensors [num_blocks, block_size, num_kv_heads, head_size]."""
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, head_size], got "
+            f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+
+
 def write_kv_cache(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -89,11 +98,7 @@ def write_kv_cache(
             f"key and value must both be [num_tokens, num_kv_heads, head_size], got {tuple(key.shape)} and "
             f"{tuple(value.shape)}; reshape the projection output with .view(T, Hk, D)"
         )
-    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
-        raise ValueError(
-            f"k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, head_size], got "
-            f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
-        )
+    check_cache_pair(k_cache, v_cache)
     num_tokens, num_kv_heads, head_size = key.shape
     _, block_size, cache_heads, cache_head_size = k_cache.shape
     if (cache_heads, cache_head_size) != (num_kv_heads, head_size):

@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tritonllm.kernels.kv_cache import check_cache_pair
 from tritonllm.kernels.paged_attention_config import (
     PagedAttentionConfig,
     check_config,
@@ -347,11 +348,7 @@ def _check_inputs(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, 
     check_kernel_device(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables)
     if q.dim() != 3:
         raise ValueError(f"q must be [num_tokens, num_heads, head_size], got {tuple(q.shape)}; view it as (T, Hq, D)")
-    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
-        raise ValueError(
-            f"k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, head_size], got "
-            f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
-        )
+    check_cache_pair(k_cache, v_cache)
     _, num_heads, head_size = q.shape
     _, _, num_kv_heads, cache_head_size = k_cache.shape
     if cache_head_size != head_size:
