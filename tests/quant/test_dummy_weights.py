@@ -14,7 +14,9 @@ from hypothesis import strategies as st
 from tests.helpers import DEVICE, seeds
 from tests.models.checkpoints import tiny_config
 from tritonllm.kernels.quant_dequant import awq_dequantize_ref, gptq_dequantize_ref
+from tritonllm.models.layers.linear import Linear
 from tritonllm.models.loader import init_dummy_weights, load_model
+from tritonllm.quant.config import get_quant_config
 from tritonllm.quant.pack import regular_g_idx, unpack_bits
 from tritonllm.runtime.forward_context import set_forward_context
 
@@ -24,6 +26,7 @@ FORMATS = {
     "gptq4": {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": False, "sym": True},
     "gptq8": {"quant_method": "gptq", "bits": 8, "group_size": GROUP, "desc_act": True, "sym": False},
     "gptq3": {"quant_method": "gptq", "bits": 3, "group_size": GROUP},
+    "gptq4v2": {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "checkpoint_format": "gptq_v2"},
 }
 
 
@@ -51,7 +54,8 @@ def _dequantized(layer, fmt: str) -> torch.Tensor:
     bits = FORMATS[fmt]["bits"]
     if fmt == "awq":
         return awq_dequantize_ref(layer.qweight, layer.qzeros, layer.scales, GROUP)
-    return gptq_dequantize_ref(layer.qweight, layer.qzeros, layer.scales, layer.g_idx[0], bits, GROUP, 1)
+    offset = 0 if FORMATS[fmt].get("checkpoint_format") == "gptq_v2" else 1
+    return gptq_dequantize_ref(layer.qweight, layer.qzeros, layer.scales, layer.g_idx[0], bits, GROUP, offset)
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
@@ -77,6 +81,22 @@ def test_dummy_quantized_weights_are_sane(tmp_root, fmt, seed, layer_index):
     w = _dequantized(layer, fmt).float()
     assert torch.isfinite(w).all()
     assert 0.01 < w.std().item() < 0.04  # like the dense dummy weights' 0.02, whatever the bit width
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@given(seed=seeds())
+def test_dummy_quantized_weights_are_centred(fmt, seed):
+    # Dense dummy weights have mean 0. A bias b per weight adds K * b * mean(x) to every output feature alike, and
+    # through the residual stream that grows layer by layer (fp16 overflow within a few Llama-8B-sized layers).
+    # GPTQ v1 reads zero = stored field + 1, so uniform fields alone would give every weight the mean -s.
+    quant_config = get_quant_config({"quantization_config": FORMATS[fmt]}, None)
+    with torch.device(DEVICE):
+        layer = Linear(1024, [256, 256], quant_config=quant_config, params_dtype=torch.float16)
+    init_dummy_weights(layer, seed=seed)
+    w = _dequantized(layer, fmt).float()
+    # 32 groups x 512 columns of zeros: the sample mean's own spread is under 0.01 of the std.
+    assert abs(w.mean().item()) < 0.04 * w.std().item()
+    assert 0.01 < w.std().item() < 0.04
 
 
 @pytest.mark.parametrize("fmt", ["awq", "gptq4"])

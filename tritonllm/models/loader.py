@@ -23,6 +23,7 @@ from tritonllm.models.layers.weights import default_weight_loader
 from tritonllm.models.registry import model_class_for
 from tritonllm.platform import default_device
 from tritonllm.quant.base import QuantConfig
+from tritonllm.quant.pack import pack_bits
 
 _DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
@@ -223,18 +224,29 @@ def load_weights(
 def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
     """Random parameters, reproducible from `seed`, that run like a trained model's would.
 
-    Norm weights N(1, std); other float weights N(0, std). Quantized layers: packed words (qweight, qzeros)
-    uniform over all 32 bits, so every packed field is uniform; scales positive, sized so that the dequantized
-    weights (q - z) * s also have a standard deviation of about `std`; other integer tensors (GPTQ's g_idx) keep
-    the values the layer was built with (regular groups).
+    Norm weights N(1, std); other float weights N(0, std). Quantized layers: qweight words uniform over all 32
+    bits, so every packed field q is uniform on [0, 2^bits); zero fields drawn so that the zero the kernels read
+    (z = field + zero_offset, GPTQ v1's offset being 1) is uniform on [offset, 2^bits - offset), whose mean is
+    q's: the dequantized weights (q - z) * s are centred like the dense ones. An offset left uncorrected makes
+    every weight's mean -s, a bias that each layer multiplies by K times the input's mean: the residual stream of
+    a Llama-8B-shaped GPTQ model then overflows fp16 within a few layers. Scales positive, sized so that the
+    dequantized weights have a standard deviation of about `std`; other integer tensors (GPTQ's g_idx) keep the
+    values the layer was built with (regular groups).
     """
-    scale_of: dict[int, float] = {}  # id(scales parameter) -> mean scale for the layer's bit width
+    # id(scales parameter) -> mean scale; id(qzeros parameter) -> (bits, zero offset).
+    scale_of: dict[int, float] = {}
+    zeros_of: dict[int, tuple[int, int]] = {}
     for module in model.modules():
-        bits = getattr(getattr(getattr(module, "linear_method", None), "config", None), "bits", None)
-        scales = getattr(module, "scales", None)
-        if bits is not None and isinstance(scales, nn.Parameter):
-            # q and z uniform on [0, 2^bits): Var(q - z) = (4^bits - 1) / 6.
-            scale_of[id(scales)] = std / ((4**bits - 1) / 6) ** 0.5
+        config = getattr(getattr(module, "linear_method", None), "config", None)
+        bits = getattr(config, "bits", None)
+        scales, qzeros = getattr(module, "scales", None), getattr(module, "qzeros", None)
+        if bits is None or not isinstance(scales, nn.Parameter) or not isinstance(qzeros, nn.Parameter):
+            continue
+        offset = getattr(config, "zero_offset", 0)
+        zero_values = 2**bits - 2 * offset
+        # q uniform on 2^bits values, z on zero_values: Var(q - z) = Var(q) + Var(z), Var of n values (n^2 - 1) / 12.
+        scale_of[id(scales)] = std / ((4**bits - 1 + zero_values**2 - 1) / 12) ** 0.5
+        zeros_of[id(qzeros)] = (bits, offset)
     generators: dict[torch.device, torch.Generator] = {}
     for name, p in model.named_parameters():
         g = generators.setdefault(p.device, torch.Generator(device=p.device).manual_seed(seed))
@@ -244,6 +256,12 @@ def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> No
         elif p.is_floating_point():
             module_name = name.rsplit(".", 2)[-2] if "." in name else ""
             p.normal_(1.0 if "norm" in module_name else 0.0, std, generator=g)
+        elif id(p) in zeros_of:
+            bits, offset = zeros_of[id(p)]
+            # Fields are independent, so packing along dim 1 suits every layout (AWQ's nibble order, GPTQ's stream).
+            fields = p.shape[1] * 32 // bits
+            values = torch.randint(0, 2**bits - 2 * offset, (p.shape[0], fields), generator=g, device=p.device)
+            p.copy_(pack_bits(values, bits, dim=1))
         elif leaf in ("qweight", "qzeros"):
             p.random_(-(2**31), 2**31, generator=g)
 
