@@ -122,6 +122,70 @@ def test_samples_depend_only_on_seed_position_and_logits(seed, n, v, dtype, pena
     assert torch.equal(big[inverse[:n]], tokens)
 
 
+# Row patterns of non-finite logits (as an fp16 model that overflows produces them).
+NON_FINITE_ROWS = ["some_nan", "all_nan", "nan_and_neg_inf", "all_neg_inf", "pos_inf_and_nan", "finite"]
+
+
+def _non_finite_logits(kinds: list[str], v: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(len(kinds), v, generator=g) * 3.0
+    nan, inf = float("nan"), float("inf")
+    for r, kind in enumerate(kinds):
+        some = torch.rand(v, generator=g) < 0.3
+        if kind == "some_nan":
+            x[r, some] = nan
+        elif kind == "all_nan":
+            x[r] = nan
+        elif kind == "nan_and_neg_inf":
+            x[r] = -inf
+            x[r, some] = nan
+        elif kind == "all_neg_inf":
+            x[r] = -inf
+        elif kind == "pos_inf_and_nan":
+            x[r, some] = nan
+            x[r, torch.randint(0, v, (2,), generator=g)] = inf
+    return x.to(dtype=dtype, device=DEVICE)
+
+
+@given(
+    seed=seeds(),
+    kinds=st.lists(st.sampled_from(NON_FINITE_ROWS), min_size=1, max_size=8),
+    v=st.sampled_from([5, 123, 1151]),
+    dtype=dtypes,
+    penalize=st.booleans(),
+    block_v=st.sampled_from([None, 16, 128]),
+)
+def test_non_finite_logits_give_tokens_in_range(seed, kinds, v, dtype, penalize, block_v):
+    # NaN counts as -inf; +inf tokens win (the lowest first); a row with nothing above -inf gives token 0. Small
+    # block_v splits the vocab into tiles (the last one padded), None keeps one tile per row.
+    n = len(kinds)
+    logits = _non_finite_logits(kinds, v, dtype, seed)
+    pens = penalty_inputs(n, v, seed + 1) if penalize else None
+    seeds_, positions = _row_seeds(n, seed + 2)
+    temperature = torch.rand(n, generator=torch.Generator().manual_seed(seed)).to(DEVICE) + 0.5
+    greedy = torch.arange(n, device=DEVICE) % 2 == 0
+    temperature[greedy] = 0.0
+    x = apply_penalties_ref(logits, *pens) if penalize else logits.float()
+    x = torch.where(x.isnan(), float("-inf"), x)
+    best = x.max(dim=1).values
+    probs = sample_probs_ref(logits, temperature, pens)
+
+    mixed = sample(logits, temperature, seeds_, positions, *(pens or ()), block_v=block_v)
+    all_greedy = sample(logits, None, None, None, *(pens or ()), block_v=block_v)
+    for tokens in (mixed, all_greedy):
+        assert ((tokens >= 0) & (tokens < v)).all(), tokens
+    torch.testing.assert_close(x.gather(1, all_greedy[:, None])[:, 0], best, rtol=0, atol=0)
+    torch.testing.assert_close(x.gather(1, mixed[:, None])[greedy, 0], best[greedy], rtol=0, atol=0)
+    # Sampled rows draw a token the reference distribution can give (never a NaN or -inf one if another exists).
+    chosen = probs.gather(1, mixed[:, None])[:, 0]
+    assert (chosen[~greedy] > 0).all(), (mixed, kinds)
+    nothing = best == float("-inf")
+    assert (mixed[nothing] == 0).all() and (all_greedy[nothing] == 0).all()
+    first_inf = (x == float("inf")).int().argmax(dim=1)
+    has_inf = best == float("inf")
+    assert torch.equal(mixed[has_inf], first_inf[has_inf]) and torch.equal(all_greedy[has_inf], first_inf[has_inf])
+
+
 @given(seed=seeds(), v=st.sampled_from([64, 123]))
 def test_noise_changes_with_seed_and_position(seed, v):
     # Flat logits: every token is equally likely, so 32 draws that all agree would mean the noise is stuck.

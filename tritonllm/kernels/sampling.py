@@ -22,6 +22,8 @@ just below 1) and a log near 1 (tl.log is lg2.approx on NVIDIA GPUs, accurate in
 would lose it. So E comes from the series u + u^2/2 + u^3/3 + u^4/4 for u < 1/64 and from -log(1 - u) above.
 """
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -70,7 +72,10 @@ def _sample_kernel(
         sampled = temperature > 0
         inv_temperature = tl.where(sampled, 1.0 / tl.where(sampled, temperature, 1.0), 1.0)
         scores = tl.where(sampled, scores * inv_temperature - tl.log(exp_noise), scores)
-    scores = tl.where(col_mask[None, :], scores, float("-inf"))
+    # NaN (scores != scores) counts as -inf: compiled argmax compares with `>`, so a NaN would lose to anything,
+    # padding columns past V included, and its row could return a token >= V. With no NaN left, ties (an all -inf
+    # row) go to the lowest column, which every tile has below V.
+    scores = tl.where(col_mask[None, :] & (scores == scores), scores, float("-inf"))
     best_score, best_index = tl.max(scores, axis=1, return_indices=True)
     tokens = tile * BLOCK_V + best_index
     if SINGLE_TILE:
@@ -114,7 +119,9 @@ def sample(
     Greedy row (temperature[r] <= 0, or temperature None for all rows): token = argmax_v x[v] (ties: lowest id).
     Sampled row: token = argmax_v (x[v] / T - log E_v), E_v ~ Exp(1) from Philox keyed by seeds[r] at counter
     (v, positions[r] mod 2^32): a draw from softmax(x / T) that depends only on (seed, position, x).
-    Tokens with logit -inf are never drawn (unless the whole row is -inf: token 0).
+    Non-finite logits: NaN counts as -inf (penalties and temperature are applied first). Tokens at -inf are never
+    drawn while the row has any other; a row with +inf tokens gives the lowest of them (sampled rows too); a row
+    with nothing above -inf (all NaN / -inf) gives token 0. The result is always in [0, V).
 
     logits [N, V] fp16/bf16/fp32 (rows contiguous); temperature [N] float32 or None (all greedy: no noise is
     computed, seeds and positions may be None); seeds [N] int64 (any 64-bit pattern); positions [N] int64
@@ -185,15 +192,22 @@ def sample(
 def sample_probs_ref(
     logits: torch.Tensor, temperature: torch.Tensor, penalties: tuple[torch.Tensor, ...] | None = None
 ) -> torch.Tensor:
-    """The distribution `sample` draws from: softmax(penalized / T), or a one-hot argmax where T <= 0."""
+    """The distribution `sample` draws from: softmax(penalized / T), or a one-hot argmax where T <= 0.
+
+    NaN counts as -inf; a row with +inf logits puts all its mass on the lowest +inf token, a row with nothing
+    above -inf on token 0 (as `sample` does)."""
     x = apply_penalties_ref(logits, *penalties) if penalties is not None else logits.float()
     probs = torch.empty_like(x)
     for r in range(x.shape[0]):
         t = temperature[r].item()
-        if t > 0:
-            probs[r] = torch.softmax(x[r] / t, dim=0)
+        row = x[r] / t if t > 0 else x[r]
+        row = torch.where(row.isnan(), float("-inf"), row)
+        top = row.max()
+        if t > 0 and math.isfinite(top.item()):
+            probs[r] = torch.softmax(row, dim=0)
         else:
-            probs[r] = torch.nn.functional.one_hot(x[r].argmax(), x.shape[1]).float()
+            # argmax: the first maximal token, so the first +inf token, or token 0 if all are -inf.
+            probs[r] = torch.nn.functional.one_hot(row.argmax(), x.shape[1]).float()
     return probs
 
 
