@@ -128,6 +128,29 @@ def test_filtered_rows_draw_only_allowed_tokens(seed, v, top_k, top_p, min_p, te
         assert len(set(tokens.tolist())) > 1
 
 
+@given(
+    seed=seeds(),
+    v=st.sampled_from([64, 123]),
+    top_k=st.sampled_from([-1, 1, 4]),
+    top_p=st.sampled_from([1.0, 0.3]),
+    min_p=st.sampled_from([0.0, 0.1]),
+)
+def test_filters_treat_nan_logits_as_minus_inf(seed, v, top_k, top_p, min_p):
+    # An overflowing fp16 model yields NaN logits. The filters must rank NaN last, as the draw does: a NaN left in
+    # the row turns softmax (top_p, min_p) and the k-th largest logit (top_k) into NaN, and nothing gets filtered.
+    draws = 32
+    row = _logits(1, v, seed)
+    nan = torch.rand(v, generator=torch.Generator().manual_seed(seed)) < 0.3
+    nan[int(row[0].cpu().argmax())] = False  # a finite best token, so top_k = 1 has one answer
+    row[0, nan.to(DEVICE)] = float("nan")
+    params = SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
+    prompts, outputs = [[0]] * draws, [[1] * i for i in range(draws)]
+    meta = SamplingMetadata.build([params] * draws, prompts, outputs, v, device=DEVICE)
+    tokens = Sampler()(row.expand(draws, v).contiguous(), meta).sampled_token_ids.tolist()
+    allowed = _filter_ref(torch.where(nan, float("-inf"), row[0].cpu()), top_k, top_p, min_p)
+    assert set(tokens) <= allowed - set(torch.nonzero(nan)[:, 0].tolist())
+
+
 @given(seed=seeds(), v=st.sampled_from([5, 64, 1151]))
 def test_top_k_top_p_min_p_match_per_row_reference(seed, v):
     n = 6

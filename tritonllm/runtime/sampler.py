@@ -5,6 +5,9 @@ temperature; min_p, top_k, top_p; then a greedy argmax or a seeded draw (`triton
 Without filtering the whole chain runs in one kernel pass; with it, the penalties run in a kernel, the
 filters in torch (sort-based: they need order statistics of the full row), and the draw in the kernel.
 
+Non-finite logits (an fp16 model that overflowed): NaN counts as -inf in the filters and the draw, so every row
+gets a token id in [0, V) (token 0 for a row with nothing above -inf); see `tritonllm.kernels.sampling.sample`.
+
 Log-probabilities are vLLM's default "raw" ones: log_softmax of the model's logits, before min_tokens,
 penalties, temperature or filtering, so they describe the model rather than the sampling recipe.
 """
@@ -197,6 +200,8 @@ class Sampler:
                 logits = apply_penalties(logits, *penalties)
             sampled = metadata.temperature > 0
             logits = logits / torch.where(sampled, metadata.temperature, 1.0)[:, None]
+            # NaN ranks last, as in the draw: left in, it makes softmax and the k-th largest logit NaN.
+            logits = logits.masked_fill(logits.isnan(), float("-inf"))
             if metadata.min_p is not None:
                 logits = apply_min_p(logits, metadata.min_p)
             logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
