@@ -123,6 +123,17 @@ class LLMEngine:
             return None, self._check_token_ids(prompt)
         raise ValueError(f"a prompt is a string, a list of token ids or a dict, got {type(prompt).__name__}")
 
+    def _check_sampled(self, token_ids: list[int]) -> None:
+        """An id outside the vocabulary would reach the next step's embedding gather (on a GPU, a device-side
+        assert that ends the process); stop here instead. Reads the host list the step fetched anyway: no sync."""
+        vocab = self.model_config.vocab_size
+        if token_ids and (min(token_ids) < 0 or max(token_ids) >= vocab):
+            bad = [t for t in token_ids if not 0 <= t < vocab]
+            raise RuntimeError(
+                f"the sampler returned token ids {bad[:5]} outside the vocabulary [0, {vocab}); they were not fed "
+                "to the model. A sampler bug: even NaN or infinite logits must give ids in range"
+            )
+
     def _check_token_ids(self, ids) -> list[int]:
         vocab = self.model_config.vocab_size
         if not isinstance(ids, list | tuple) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
@@ -207,6 +218,7 @@ class LLMEngine:
             )
             sampler_out = self.sampler(result.sampled_logits, meta)
             token_ids = sampler_out.sampled_token_ids.tolist()
+            self._check_sampled(token_ids)
 
         for seq_id, (first_pos, logits) in result.prompt_logits.items():
             self._record_prompt_logprobs(out, seq_id, first_pos, logits)
