@@ -120,9 +120,14 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if seq.num_computed_tokens == seq.num_tokens:  # "sample" the next token
             seq.append_token((seq.seq_id + seq.num_tokens) % 4)
         n = min(chunk, seq.num_tokens - seq.num_computed_tokens)
-        if self.bm.can_append(seq, n):
-            self.bm.append_slots(seq, n)
+        fits = self.bm.can_append(seq, n)
+        table, free = list(seq.block_table), self.bm.get_num_free_blocks()
+        # The scheduler's one-pass form agrees with the two-step one, and a refusal changes nothing.
+        assert self.bm.try_append_slots(seq, n) == fits
+        if fits:
             self.pending[seq.seq_id] = (seq, n)
+        else:
+            assert seq.block_table == table and self.bm.get_num_free_blocks() == free
 
     @rule()
     def run(self):

@@ -170,15 +170,24 @@ class BlockManager:
         A block the new tokens land in that is shared (ref_count > 1, after a fork) is replaced by a
         private copy first; the (src, dst) pair is queued for `take_block_copies`.
         """
-        end = seq.num_computed_tokens + num_new_tokens
+        if not self.try_append_slots(seq, num_new_tokens):
+            raise RuntimeError(f"out of KV blocks for sequence {seq.seq_id}; check can_append first")
+
+    def try_append_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """`append_slots` if the free blocks suffice (True), else nothing changes (False). One pass: the
+        scheduler calls this for every running sequence every step."""
+        start = seq.num_computed_tokens
+        end = start + num_new_tokens
         if end > seq.num_tokens:
             raise ValueError(
-                f"sequence {seq.seq_id} has {seq.num_tokens} tokens, {seq.num_computed_tokens} computed; "
-                f"cannot append {num_new_tokens}"
+                f"sequence {seq.seq_id} has {seq.num_tokens} tokens, {start} computed; cannot append {num_new_tokens}"
             )
-        if not self.can_append(seq, num_new_tokens):
-            raise RuntimeError(f"out of KV blocks for sequence {seq.seq_id}; check can_append first")
         table = seq.block_table
+        j = start // self.block_size
+        if num_new_tokens == 1 and j < len(table) and self.ref_counts[table[j]] == 1:
+            return True  # a decode into a private block that has room: the common case, nothing to do
+        if self._append_cost(seq, num_new_tokens) > len(self._free):
+            return False
         for j in range(seq.num_computed_tokens // self.block_size, min(len(table), self.num_blocks_for(end))):
             src = table[j]
             if self.ref_counts[src] > 1:
@@ -188,6 +197,7 @@ class BlockManager:
                 self._copies[dst] = src
                 self._copy_readers[src] = self._copy_readers.get(src, 0) + 1
         self._grow(seq, end)
+        return True
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register the blocks of `seq` whose tokens are now all computed (call after each step).

@@ -137,12 +137,13 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = self._num_new_tokens(seq, seq.num_computed_tokens, budget)
-            while not bm.can_append(seq, n) and self.running[-1] is not seq:
-                self._preempt(self.running.pop(), preempted)
-            if not bm.can_append(seq, n):
-                self._preempt(self.running.pop(), preempted)
+            while not bm.try_append_slots(seq, n):
+                victim = self.running.pop()
+                self._preempt(victim, preempted)
+                if victim is seq:
+                    break
+            if seq.status is SequenceStatus.PREEMPTED:
                 break
-            bm.append_slots(seq, n)
             scheduled.append(
                 ScheduledSequence(seq, seq.num_computed_tokens, n, n == seq.num_tokens - seq.num_computed_tokens)
             )
