@@ -2,6 +2,10 @@
 
 Module names mirror Hugging Face's (model.layers.N.self_attn.qkv_proj, ...) so checkpoint names map by their last
 path components; q/k/v and gate/up are fused (see `packed_modules_mapping`).
+
+Tensor parallelism (a tp group of W ranks): qkv_proj and gate_up_proj are column-parallel, o_proj and down_proj
+row-parallel, embedding and head vocabulary-parallel. A rank runs num_heads / W query heads and its share of the
+KV heads end to end, so each block communicates once after attention and once after the MLP.
 """
 
 from __future__ import annotations
@@ -16,9 +20,9 @@ from torch import nn
 from tritonllm.models.config import ModelConfig
 from tritonllm.models.layers.activation import get_act_and_mul
 from tritonllm.models.layers.attention import Attention
-from tritonllm.models.layers.embedding import LMHead, VocabEmbedding
+from tritonllm.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tritonllm.models.layers.layernorm import RMSNorm
-from tritonllm.models.layers.linear import Linear
+from tritonllm.models.layers.parallel_linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from tritonllm.models.layers.rotary import get_rope
 from tritonllm.quant.base import QuantConfig
 
@@ -36,8 +40,10 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig, quant_config: QuantConfig | None, prefix: str):
         super().__init__()
         hidden, inter = config.hidden_size, config.intermediate_size
-        self.gate_up_proj = Linear(hidden, [inter, inter], config.mlp_bias, quant_config, f"{prefix}.gate_up_proj")
-        self.down_proj = Linear(inter, hidden, config.mlp_bias, quant_config, f"{prefix}.down_proj")
+        self.gate_up_proj = ColumnParallelLinear(
+            hidden, [inter, inter], config.mlp_bias, quant_config, f"{prefix}.gate_up_proj"
+        )
+        self.down_proj = RowParallelLinear(inter, hidden, config.mlp_bias, quant_config, f"{prefix}.down_proj")
         self.act_fn = get_act_and_mul(config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -47,19 +53,28 @@ class LlamaMLP(nn.Module):
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, spec: LayerSpec, quant_config: QuantConfig | None, prefix: str):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(
+        self.qkv_proj = QKVParallelLinear(
             config.hidden_size,
-            [self.q_size, self.kv_size, self.kv_size],
+            self.head_dim,
+            config.num_attention_heads,
+            config.num_key_value_heads,
             spec.qkv_bias,
             quant_config,
             f"{prefix}.qkv_proj",
         )
-        self.o_proj = Linear(self.q_size, config.hidden_size, spec.o_bias, quant_config, f"{prefix}.o_proj")
+        # This rank's heads (all of them with one rank).
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * self.head_dim,
+            config.hidden_size,
+            spec.o_bias,
+            quant_config,
+            f"{prefix}.o_proj",
+        )
         self.rotary_emb = get_rope(
             self.head_dim,
             config.rotary_dim,
@@ -124,7 +139,7 @@ class LlamaModel(nn.Module):
         prefix: str = "model",
     ):
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             decoder_layer_cls(config, layer_spec(i), quant_config, f"{prefix}.layers.{i}")
             for i in range(config.num_hidden_layers)
@@ -158,7 +173,7 @@ class LlamaForCausalLM(nn.Module):
         self.quant_config = quant_config
         self.model = LlamaModel(config, quant_config, self.decoder_layer_cls, self.layer_spec, prefix="model")
         tied = self.model.embed_tokens if config.tie_word_embeddings else None
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tied_to=tied)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tied_to=tied)
 
     def layer_spec(self, layer_idx: int) -> LayerSpec:
         """Llama: attention_bias puts a bias on q, k, v and o; no sliding window."""

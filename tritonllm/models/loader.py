@@ -18,6 +18,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from tritonllm.distributed.parallel_state import get_tp_rank
 from tritonllm.models.config import ModelConfig
 from tritonllm.models.layers.weights import default_weight_loader
 from tritonllm.models.registry import model_class_for
@@ -55,7 +56,9 @@ def load_model(
 
     dtype: "auto" (config.json's dtype / torch_dtype, float32 if absent), or float16 / bfloat16 / float32 as a
     string or torch dtype. load_format "dummy" skips the weight files and fills parameters with random values
-    (only config.json is read), for benchmarks.
+    (only config.json is read), for benchmarks. In a tensor-parallel group of W > 1 ranks
+    (tritonllm.distributed.init_tensor_parallel) the model is this rank's shard: every layer is built at its
+    per-rank size and loads only its slice of each checkpoint tensor.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format {load_format!r} is not one of {', '.join(LOAD_FORMATS)}")
@@ -231,7 +234,8 @@ def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> No
     every weight's mean -s, a bias that each layer multiplies by K times the input's mean: the residual stream of
     a Llama-8B-shaped GPTQ model then overflows fp16 within a few layers. Scales positive, sized so that the
     dequantized weights have a standard deviation of about `std`; other integer tensors (GPTQ's g_idx) keep the
-    values the layer was built with (regular groups).
+    values the layer was built with (regular groups). Under tensor parallelism each rank fills only its own shards
+    (vocabulary padding rows stay zero).
     """
     # id(scales parameter) -> mean scale; id(qzeros parameter) -> (bits, zero offset).
     scale_of: dict[int, float] = {}
@@ -247,9 +251,16 @@ def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> No
         # q uniform on 2^bits values, z on zero_values: Var(q - z) = Var(q) + Var(z), Var of n values (n^2 - 1) / 12.
         scale_of[id(scales)] = std / ((4**bits - 1 + zero_values**2 - 1) / 12) ** 0.5
         zeros_of[id(qzeros)] = (bits, offset)
-    generators: dict[torch.device, torch.Generator] = {}
+    # Parameters every rank holds whole draw from one stream, the same on every rank (replicas must agree); a
+    # tensor-parallel rank's own slices draw from a stream of its own, so ranks hold different shards.
+    rank = get_tp_rank()
+    generators: dict[tuple[torch.device, bool], torch.Generator] = {}
     for name, p in model.named_parameters():
-        g = generators.setdefault(p.device, torch.Generator(device=p.device).manual_seed(seed))
+        sharded = getattr(p, "tp_sharded", False)
+        g = generators.get((p.device, sharded))
+        if g is None:
+            stream_seed = seed + 7919 * (rank + 1) if sharded else seed
+            g = generators[(p.device, sharded)] = torch.Generator(device=p.device).manual_seed(stream_seed)
         leaf = name.rsplit(".", 1)[-1]
         if id(p) in scale_of:
             p.uniform_(0.5 * scale_of[id(p)], 1.5 * scale_of[id(p)], generator=g)
@@ -264,6 +275,10 @@ def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> No
             p.copy_(pack_bits(values, bits, dim=1))
         elif leaf in ("qweight", "qzeros"):
             p.random_(-(2**31), 2**31, generator=g)
+    for module in model.modules():
+        zero_padding = getattr(module, "zero_padding", None)  # vocabulary padding rows of a sharded embedding
+        if zero_padding is not None:
+            zero_padding()
 
 
 def _get_quant_config(config: ModelConfig, path: str, quantization: str | None) -> QuantConfig | None:

@@ -9,21 +9,24 @@ fills columns (or words) starting where shard i - 1 ended.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from tritonllm.kernels.quant_gemm import awq_gemm
-from tritonllm.quant.base import LinearMethod, QuantConfig
+from tritonllm.quant.base import LinearMethod, QuantConfig, set_shard_axes
 from tritonllm.quant.common import (
     DEFAULT_PACKED_MODULES,
     bool_field,
     check_group_size,
+    input_share_error,
     int_field,
     is_skipped,
     make_column_loader,
     module_names,
+    output_share_error,
     unquantized_method,
 )
 from tritonllm.quant.common import (
@@ -76,26 +79,35 @@ class AwqLinearMethod(LinearMethod):
         self, layer: nn.Module, input_size: int, output_sizes: list[int], params_dtype: torch.dtype
     ) -> None:
         where = getattr(layer, "prefix", "") or "a linear layer"
+        # group_size -1 is one group over all of K: a row-parallel rank keeps it whole (replicated along K).
         g = input_size if self.config.group_size == -1 else self.config.group_size
         if input_size % g:
             raise ValueError(
-                f"{where}: AWQ group_size {g} does not divide the input size {input_size}; the checkpoint and the "
+                input_share_error(layer, input_size, g, f"AWQ group_size {g}")
+                or f"{where}: AWQ group_size {g} does not divide the input size {input_size}; the checkpoint and the "
                 "model config disagree"
             )
         bad = [n for n in output_sizes if n % 8]
         if bad:
-            raise ValueError(f"{where}: AWQ packs 8 output columns per int32 word; output sizes {bad} are not")
+            raise ValueError(
+                output_share_error(layer, output_sizes, 8, "AWQ packs 8 columns per int32 word")
+                or f"{where}: AWQ packs 8 output columns per int32 word; output sizes {bad} are not"
+            )
         n = sum(output_sizes)
         words = [size // 8 for size in output_sizes]
+        groups = None if self.config.group_size == -1 else (0, Fraction(1, g))  # [K // g] rows, or one kept whole
+        word = Fraction(1, 8)
+        # name: (tensor, shard widths, required dtype, (dim, ratio) along N, (dim, ratio) along K)
         tensors = {
-            "qweight": (torch.zeros(input_size, n // 8, dtype=torch.int32), words, torch.int32),
-            "qzeros": (torch.zeros(input_size // g, n // 8, dtype=torch.int32), words, torch.int32),
+            "qweight": (torch.zeros(input_size, n // 8, dtype=torch.int32), words, torch.int32, (1, word), (0, 1)),
+            "qzeros": (torch.zeros(input_size // g, n // 8, dtype=torch.int32), words, torch.int32, (1, word), groups),
             # fp16 as AutoAWQ writes them; other float checkpoints are cast on load.
-            "scales": (torch.zeros(input_size // g, n, dtype=torch.float16), list(output_sizes), None),
+            "scales": (torch.zeros(input_size // g, n, dtype=torch.float16), list(output_sizes), None, (1, 1), groups),
         }
-        for name, (data, widths, dtype) in tensors.items():
+        for name, (data, widths, dtype, n_axis, k_axis) in tensors.items():
             param = nn.Parameter(data, requires_grad=False)
             param.weight_loader = make_column_loader(widths, name, dtype)
+            set_shard_axes(param, output=n_axis, input=k_axis)
             layer.register_parameter(name, param)
         layer.awq_group_size = g
 

@@ -71,6 +71,15 @@ def shard_names(prefix: str, packed: dict[str, list[str]]) -> list[str]:
     return [prefix]
 
 
+def output_names(prefix: str, count: int) -> list[str]:
+    """Short names of a layer's `count` logical outputs for messages: ["gate_proj", "up_proj"] for
+    "...mlp.gate_up_proj", ["down_proj"] for "...mlp.down_proj", else "output i"."""
+    names = shard_names(prefix, DEFAULT_PACKED_MODULES) if prefix else []
+    if len(names) != count:
+        return [f"output {i}" for i in range(count)]
+    return [name.rpartition(".")[2] for name in names]
+
+
 def is_skipped(prefix: str, skip: list[str], packed: dict[str, list[str]]) -> bool:
     """Whether the checkpoint left this layer unquantized: lm_head always, else any name in `skip` occurring in
     the module name (AutoAWQ's and transformers' rule). A fused layer must be all skipped or all quantized."""
@@ -118,3 +127,37 @@ def make_column_loader(widths: list[int], name: str, dtype: torch.dtype | None =
 
 def int_parameter(*shape: int) -> torch.nn.Parameter:
     return torch.nn.Parameter(torch.zeros(*shape, dtype=torch.int32), requires_grad=False)
+
+
+def _tp_size(layer: torch.nn.Module) -> int:
+    return getattr(layer, "tp_size", 1)
+
+
+def input_share_error(layer: torch.nn.Module, input_size: int, unit: int, what: str) -> str | None:
+    """None when a rank's share of the input fills whole `unit`s; else the message for a row-parallel layer
+    that splits `what` (e.g. "AWQ group_size 32", "4-bit GPTQ packs K in runs of 8") mid-unit."""
+    if input_size % unit == 0 or not (getattr(layer, "input_is_parallel", False) and _tp_size(layer) > 1):
+        return None
+    where = getattr(layer, "prefix", "") or "a linear layer"
+    full, tp = getattr(layer, "full_input_size", input_size), _tp_size(layer)
+    return (
+        f"{where}: {what}: the rank's share {input_size} of its {full} input features is not a multiple of {unit} "
+        f"(tensor_parallel_size={tp}); a row-parallel layer needs whole quant groups and packed words per rank: "
+        f"choose a tensor_parallel_size that divides {full} into multiples of {unit}"
+    )
+
+
+def output_share_error(layer: torch.nn.Module, output_sizes: list[int], unit: int, what: str) -> str | None:
+    """None when every per-rank output size is a multiple of `unit`; else, on a column-parallel layer, the message
+    naming each output whose rank's share is not (e.g. "the rank's share 12 of gate_proj's 24 columns")."""
+    bad = [i for i, n in enumerate(output_sizes) if n % unit]
+    full = getattr(layer, "full_output_sizes", output_sizes)
+    if not bad or _tp_size(layer) == 1 or list(full) == list(output_sizes):
+        return None
+    where = getattr(layer, "prefix", "") or "a linear layer"
+    names = output_names(getattr(layer, "prefix", ""), len(output_sizes))
+    shares = ", ".join(f"the rank's share {output_sizes[i]} of {names[i]}'s {full[i]} columns" for i in bad)
+    return (
+        f"{where}: {what}: {shares} is not a multiple of {unit} (tensor_parallel_size={_tp_size(layer)}); "
+        f"choose a tensor_parallel_size that leaves each rank a multiple of {unit} columns"
+    )

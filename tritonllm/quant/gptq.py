@@ -8,13 +8,15 @@ After loading, each layer picks how it runs:
   * "fused": bits 2 / 4 / 8 and g_idx either regular (k // g) or a permutation of regular groups (act-order /
     desc_act). For act-order the packed rows are permuted once, here, so that groups become runs of g rows, and
     the GEMM kernel reads x[:, perm] (a gather inside the kernel, no per-call pass over the activations).
-  * "dequant": 3-bit, or g_idx that is not a permutation of regular groups, or fused shards whose g_idx differ:
-    the dequantization kernel (which follows g_idx itself) builds the dense weight per call, then a matmul.
+  * "dequant": 3-bit, or g_idx that is not a permutation of regular groups, or fused shards whose g_idx differ, or
+    a row-parallel act-order shard (it keeps every group's scales, its g_idx global group ids): the dequantization
+    kernel (which follows g_idx itself) builds the dense weight per call, then a matmul.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any, ClassVar
 
 import torch
@@ -22,16 +24,18 @@ from torch import nn
 
 from tritonllm.kernels.quant_dequant import gptq_dequantize
 from tritonllm.kernels.quant_gemm import FUSED_GPTQ_BITS, gptq_gemm
-from tritonllm.quant.base import LinearMethod, QuantConfig
+from tritonllm.quant.base import LinearMethod, QuantConfig, set_shard_axes
 from tritonllm.quant.common import (
     DEFAULT_PACKED_MODULES,
     bool_field,
     check_group_size,
+    input_share_error,
     int_field,
     int_parameter,
     is_skipped,
     make_column_loader,
     module_names,
+    output_share_error,
     unquantized_method,
 )
 from tritonllm.quant.common import (
@@ -121,24 +125,56 @@ class GptqLinearMethod(LinearMethod):
         # Whole words: 32 // bits values per word, or 32 values per 3 words for 3-bit.
         unit = 32 if bits == 3 else 32 // bits
         if input_size % unit:
-            raise ValueError(f"{where}: {bits}-bit GPTQ packs K in runs of {unit}; the input size {input_size} is not")
+            raise ValueError(
+                input_share_error(layer, input_size, unit, f"{bits}-bit GPTQ packs K in runs of {unit}")
+                or f"{where}: {bits}-bit GPTQ packs K in runs of {unit}; the input size {input_size} is not"
+            )
         bad = [n for n in output_sizes if n % unit]
         if bad:
             raise ValueError(
-                f"{where}: {bits}-bit GPTQ packs zeros in runs of {unit} columns; output sizes {bad} aren't"
+                output_share_error(layer, output_sizes, unit, f"{bits}-bit GPTQ packs zeros in runs of {unit} columns")
+                or f"{where}: {bits}-bit GPTQ packs zeros in runs of {unit} columns; output sizes {bad} aren't"
             )
         g = input_size if self.config.group_size == -1 else self.config.group_size
         groups = -(-input_size // g)
+        # A row-parallel rank holds a K-slice and, normally, the whole groups inside it (g_idx rebased by
+        # group_start). Act-order scatters each group over all of K, so there the rank keeps every group's
+        # scales/zeros and g_idx keeps global ids: the dequantizing path, which follows g_idx, runs it. One group
+        # (-1) is kept whole by every rank.
+        split = getattr(layer, "input_is_parallel", False)
+        replicated = split and (self.config.desc_act or self.config.group_size == -1)
+        group_start = 0
+        if replicated and self.config.group_size != -1:
+            groups = -(-getattr(layer, "full_input_size", input_size) // g)
+        elif split and not replicated:
+            if input_size % g:
+                raise ValueError(input_share_error(layer, input_size, g, f"GPTQ group_size {g}"))
+            group_start = getattr(layer, "tp_rank", 0) * input_size // g
+        groups_axis = None if replicated else (0, Fraction(1, g))
         n = sum(output_sizes)
         # fp16 scales as the tools write them; other float checkpoints are cast on load.
         scales = nn.Parameter(torch.zeros(groups, n, dtype=torch.float16), requires_grad=False)
+        # name: (parameter, shard widths, required dtype, (dim, ratio) along N, (dim, ratio) along K)
         specs = {
-            "qweight": (int_parameter(input_size * bits // 32, n), list(output_sizes), torch.int32),
-            "qzeros": (int_parameter(groups, n * bits // 32), [s * bits // 32 for s in output_sizes], torch.int32),
-            "scales": (scales, list(output_sizes), None),
+            "qweight": (
+                int_parameter(input_size * bits // 32, n),
+                list(output_sizes),
+                torch.int32,
+                (1, 1),
+                (0, Fraction(bits, 32)),
+            ),
+            "qzeros": (
+                int_parameter(groups, n * bits // 32),
+                [s * bits // 32 for s in output_sizes],
+                torch.int32,
+                (1, Fraction(bits, 32)),
+                groups_axis,
+            ),
+            "scales": (scales, list(output_sizes), None, (1, 1), groups_axis),
         }
-        for name, (param, widths, dtype) in specs.items():
+        for name, (param, widths, dtype, n_axis, k_axis) in specs.items():
             param.weight_loader = make_column_loader(widths, name, dtype)
+            set_shard_axes(param, output=n_axis, input=k_axis)
             layer.register_parameter(name, param)
 
         # One g_idx row per shard: projections fused here were quantized separately and may order K differently.
@@ -146,6 +182,7 @@ class GptqLinearMethod(LinearMethod):
         g_idx = int_parameter(num_shards, input_size)
         g_idx.data.copy_(regular_g_idx(input_size, g).expand(num_shards, -1))
         g_idx.load_optional = True  # older checkpoints without act-order omit it
+        set_shard_axes(g_idx, output=None, input=(0, 1))  # checkpoint g_idx [K]
 
         def load_g_idx(param: torch.Tensor, loaded_weight: torch.Tensor, shard_index: int | None = None) -> None:
             rows = range(num_shards) if shard_index is None else [shard_index]
@@ -155,11 +192,18 @@ class GptqLinearMethod(LinearMethod):
                 raise ValueError(f"expected g_idx shape [{input_size}], found {list(loaded_weight.shape)}")
             if loaded_weight.is_floating_point():
                 raise ValueError(f"g_idx must hold integers, found {loaded_weight.dtype}")
-            if loaded_weight.numel() and (loaded_weight.min() < 0 or loaded_weight.max() >= groups):
+            first, end = group_start, group_start + groups
+            if loaded_weight.numel() and (loaded_weight.min() < first or loaded_weight.max() >= end):
+                if split and not replicated:
+                    raise ValueError(
+                        f"g_idx values of this rank's input features must lie in its groups [{first}, {end}) "
+                        "(row-parallel without desc_act splits K by whole groups); set desc_act=true in the "
+                        "quantization config if this checkpoint's groups are scattered over K"
+                    )
                 raise ValueError(f"g_idx values must lie in [0, {groups}) for {groups} groups")
             with torch.no_grad():
                 for r in rows:
-                    param.data[r].copy_(loaded_weight)
+                    param.data[r].copy_(loaded_weight - group_start)
 
         g_idx.weight_loader = load_g_idx
         layer.register_parameter("g_idx", g_idx)
@@ -173,9 +217,11 @@ class GptqLinearMethod(LinearMethod):
         k = g_idx.shape[1]
         regular = regular_g_idx(k, g, device=g_idx.device)
         same = bool((g_idx == g_idx[:1]).all())
+        # A row-parallel act-order shard keeps every group's scales (more rows than its K-slice's groups): dequant.
+        own_groups = layer.scales.shape[0] == -(-k // g)
         layer.gptq_perm = None
         layer.gptq_segments = None
-        if same and bits in FUSED_GPTQ_BITS:
+        if same and own_groups and bits in FUSED_GPTQ_BITS:
             first = g_idx[0]
             if torch.equal(first, regular):
                 layer.gptq_mode = "fused"

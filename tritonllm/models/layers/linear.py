@@ -2,6 +2,8 @@
 
 A fused layer (qkv_proj = [q; k; v], gate_up_proj = [gate; up]) stacks its logical outputs along the output
 dimension; each checkpoint shard loads into its own row range through the parameter's `weight_loader`.
+`Linear` is the whole layer on every rank; the tensor-parallel layers (parallel_linear.py) build on it with a
+`LinearPartition`.
 """
 
 from __future__ import annotations
@@ -10,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tritonllm.quant.base import LinearMethod, QuantConfig
+from tritonllm.models.layers.sharding import LinearPartition, shard_loaders
+from tritonllm.quant.base import LinearMethod, QuantConfig, set_shard_axes
 
 
 def _shard_rows(output_sizes: list[int], shard_index: int | None) -> tuple[int, int]:
@@ -44,6 +47,7 @@ class UnquantizedLinearMethod(LinearMethod):
     ) -> None:
         weight = nn.Parameter(torch.empty(sum(output_sizes), input_size, dtype=params_dtype), requires_grad=False)
         weight.weight_loader = make_row_loader(output_sizes)
+        set_shard_axes(weight, output=(0, 1), input=(1, 1))  # [N, K]
         layer.register_parameter("weight", weight)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -51,10 +55,12 @@ class UnquantizedLinearMethod(LinearMethod):
 
 
 class Linear(nn.Module):
-    """y = x @ W^T + b for x [..., input_size] -> [..., sum(output_sizes)].
+    """y = x @ W^T + b for x [..., input_size] -> [..., sum(output_sizes)], the whole layer on every rank.
 
     `prefix` is the layer's parameter path ("model.layers.0.self_attn.qkv_proj"); a QuantConfig uses it to pick
-    the layer's method (layers a checkpoint left unquantized get the dense one).
+    the layer's method (layers a checkpoint left unquantized get the dense one). `partition` (the parallel
+    layers') makes the layer this rank's share: input_size / output_sizes are then the share's, full_input_size /
+    full_output_sizes the checkpoint's, and every parameter loads the rank's slice of its checkpoint tensor.
     """
 
     def __init__(
@@ -65,26 +71,40 @@ class Linear(nn.Module):
         quant_config: QuantConfig | None = None,
         prefix: str = "",
         params_dtype: torch.dtype | None = None,
+        *,
+        partition: LinearPartition | None = None,
     ):
         super().__init__()
-        self.input_size = input_size
-        self.output_sizes = [output_sizes] if isinstance(output_sizes, int) else list(output_sizes)
+        sizes = [output_sizes] if isinstance(output_sizes, int) else list(output_sizes)
+        part = partition or LinearPartition.replicated(input_size, sizes)
+        self.input_size = part.input_size
+        self.output_sizes = list(part.output_sizes)
         self.output_size = sum(self.output_sizes)
+        self.full_input_size = part.full_input_size
+        self.full_output_sizes = list(part.full_output_sizes)
+        self.tp_rank, self.tp_size = part.rank, part.world_size
+        self.input_is_parallel = part.input_split
         self.prefix = prefix
         params_dtype = params_dtype or torch.get_default_dtype()
         if quant_config is None:
             self.linear_method: LinearMethod = UnquantizedLinearMethod()
         else:
             self.linear_method = quant_config.get_linear_method(prefix)
-        self.linear_method.create_weights(self, input_size, self.output_sizes, params_dtype)
+        self.linear_method.create_weights(self, self.input_size, self.output_sizes, params_dtype)
         if bias:
             self.bias = nn.Parameter(torch.empty(self.output_size, dtype=params_dtype), requires_grad=False)
             self.bias.weight_loader = make_row_loader(self.output_sizes)
+            set_shard_axes(self.bias, output=(0, 1), input=None)
         else:
             self.register_parameter("bias", None)
+        if part.is_sharded:
+            shard_loaders(self, part)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_method.apply(self, x, self.bias)
 
     def extra_repr(self) -> str:
-        return f"in={self.input_size}, out={self.output_sizes}, bias={self.bias is not None}, prefix={self.prefix!r}"
+        tp = f", tp={self.tp_rank}/{self.tp_size}" if self.tp_size > 1 else ""
+        return (
+            f"in={self.input_size}, out={self.output_sizes}, bias={self.bias is not None}, prefix={self.prefix!r}{tp}"
+        )
