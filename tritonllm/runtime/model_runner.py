@@ -11,6 +11,7 @@ from tritonllm.kernels.copy_blocks import copy_blocks
 from tritonllm.models.config import ModelConfig
 from tritonllm.runtime.cuda_graphs import DecodeGraphRunner, capture_sizes
 from tritonllm.runtime.forward_context import set_forward_context
+from tritonllm.runtime.mixed_graphs import MixedGraphRunner, mixed_token_buckets
 from tritonllm.runtime.scheduler_output import SchedulerOutput
 from tritonllm.runtime.step_inputs import build_step_inputs
 
@@ -49,6 +50,7 @@ class ModelRunner:
         self.kv_cache: torch.Tensor | None = None
         self.num_blocks = 0
         self.decode_graphs: DecodeGraphRunner | None = None  # set by capture_decode_graphs
+        self.mixed_graphs: MixedGraphRunner | None = None  # likewise
 
     # ---- KV cache ---------------------------------------------------------------------------------
 
@@ -108,10 +110,17 @@ class ModelRunner:
             attn.k_cache = self.kv_cache[0, i]
             attn.v_cache = self.kv_cache[1, i]
 
-    def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int, use_graphs: bool = True) -> None:
-        """Route decode steps of up to min(max_num_seqs, 256) sequences through padded static buffers, replayed
-        as CUDA graphs (captured here, after the KV cache exists). use_graphs=False keeps the padded buffers but
-        runs them eagerly (any device)."""
+    def capture_decode_graphs(
+        self,
+        max_num_seqs: int,
+        max_model_len: int,
+        use_graphs: bool = True,
+        max_num_batched_tokens: int | None = None,
+    ) -> None:
+        """Route decode steps of up to min(max_num_seqs, 256) sequences (and, given max_num_batched_tokens, every
+        other step of up to min(max_num_batched_tokens, 8192) tokens) through padded static buffers replayed as
+        CUDA graphs, captured here, after the KV cache exists. use_graphs=False keeps the padded buffers but runs
+        them eagerly (any device)."""
         if self.kv_cache is None:
             raise RuntimeError("allocate the KV cache before capturing decode graphs")
         sizes = capture_sizes(max_num_seqs)
@@ -119,6 +128,13 @@ class ModelRunner:
             self.model, self.block_size, max_model_len, sizes, self.device, use_graphs=use_graphs
         )
         self.decode_graphs.capture()
+        if max_num_batched_tokens is None:
+            return
+        buckets = mixed_token_buckets(max_num_batched_tokens)
+        self.mixed_graphs = MixedGraphRunner(
+            self.model, max_model_len, self.block_size, max_num_seqs, buckets, self.device, use_graphs=use_graphs
+        )
+        self.mixed_graphs.capture()
 
     # ---- one step ---------------------------------------------------------------------------------
 
@@ -136,9 +152,12 @@ class ModelRunner:
 
         step = build_step_inputs(out.scheduled, self.block_size, self.device, prompt_logit_seq_ids)
         meta = step.attn_metadata
-        with set_forward_context(meta):
-            hidden = self.model(step.input_ids, step.positions)
-        logits = self.model.compute_logits(hidden[meta.logits_indices]).float()
+        if self.mixed_graphs is not None and self.mixed_graphs.can_run(out, prompt_logit_seq_ids):
+            logits = self.model.compute_logits(self.mixed_graphs.run(step)).float()
+        else:
+            with set_forward_context(meta):
+                hidden = self.model(step.input_ids, step.positions)
+            logits = self.model.compute_logits(hidden[meta.logits_indices]).float()
         num_sampled, prompt_rows = step.num_sampled, step.prompt_rows
 
         prompt_logits = {}
