@@ -157,7 +157,8 @@ def output_share_error(layer: torch.nn.Module, output_sizes: list[int], unit: in
     where = getattr(layer, "prefix", "") or "a linear layer"
     names = output_names(getattr(layer, "prefix", ""), len(output_sizes))
     shares = ", ".join(f"the rank's share {output_sizes[i]} of {names[i]}'s {full[i]} columns" for i in bad)
+    verb = "is" if len(bad) == 1 else "are each"
     return (
-        f"{where}: {what}: {shares} is not a multiple of {unit} (tensor_parallel_size={_tp_size(layer)}); "
+        f"{where}: {what}: {shares} {verb} not a multiple of {unit} (tensor_parallel_size={_tp_size(layer)}); "
         f"choose a tensor_parallel_size that leaves each rank a multiple of {unit} columns"
     )
