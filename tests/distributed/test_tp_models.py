@@ -29,6 +29,7 @@ CASES = [
     ("llama-kv-heads-replicated", "LlamaForCausalLM", {"num_key_value_heads": 1}, None),
     ("qwen2-qkv-bias-window", "Qwen2ForCausalLM", {}, None),
     ("qwen3-qk-norm", "Qwen3ForCausalLM", {}, None),
+    ("mistral-window", "MistralForCausalLM", {}, None),
     ("llama-awq-g32", "LlamaForCausalLM", {"intermediate_size": 128}, awq_settings(32)),
     ("llama-gptq4-g32", "LlamaForCausalLM", {"intermediate_size": 128}, gptq_settings(4, 32, False, False, "gptq")),
     # down_proj's 96 inputs: 48 per rank, not whole groups of 32, which act-order's kept-whole groups allow.
