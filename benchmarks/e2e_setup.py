@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-import tritonllm.runtime.engine as engine_module
+import tritonllm.runtime.worker as worker_module
 from tritonllm.runtime.engine import LLMEngine
 from tritonllm.runtime.engine_config import EngineConfig
 from tritonllm.runtime.model_runner import ModelRunner
@@ -129,7 +129,7 @@ def timed_calls(device: torch.device, targets: dict[str, tuple[Any, str]]) -> It
 def build_engine(model_dir: Path, device: torch.device, **engine_kwargs: Any) -> tuple[LLMEngine, dict[str, Any]]:
     """An engine on dummy weights, and where its start-up time went (seconds)."""
     targets = {
-        "load_s": (engine_module, "load_model"),
+        "load_s": (worker_module, "load_model"),
         "kv_profile_s": (ModelRunner, "determine_num_blocks"),
         "kv_allocate_s": (ModelRunner, "allocate_kv_cache"),
         "graph_capture_s": (ModelRunner, "capture_decode_graphs"),

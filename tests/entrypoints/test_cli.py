@@ -81,8 +81,11 @@ def test_generate_echo_and_stop_in_process(tiny_model_dir, reference_llm, capsys
 
 
 def test_bad_options_fail_with_a_clear_message(tiny_model_dir, capsys):
-    assert main(["generate", "--model", str(tiny_model_dir), "x", "--tensor-parallel-size", "2"]) == 1
-    assert "not supported yet" in capsys.readouterr().err
+    assert main(["generate", "--model", str(tiny_model_dir), "x", "-tp", "2", "--device", "cuda:1"]) == 1
+    assert "choose the GPUs with CUDA_VISIBLE_DEVICES" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["generate", "x", "--tensor-parallel-size", "0"])
+    assert "must be >= 1" in capsys.readouterr().err
     assert main(["generate", "--model", str(tiny_model_dir), "x", "--block-size", "12"]) == 1
     assert "block_size must be a power of two" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_info:

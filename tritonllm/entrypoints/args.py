@@ -118,19 +118,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--tensor-parallel-size",
         "-tp",
-        type=int,
+        type=_positive_int,
         default=1,
-        help="GPUs to shard the model over; only 1 is supported for now.",
+        help="Ranks (GPUs) to shard the model over, one worker process each (default 1). Under torchrun it must "
+        "equal WORLD_SIZE. See docs/distributed.md.",
     )
 
 
 def engine_config_from_args(args: argparse.Namespace, model: str) -> EngineConfig:
     """An EngineConfig from parsed options; ValueError (with the reason) for a combination it rejects."""
-    if args.tensor_parallel_size != 1:
-        raise ValueError(
-            f"--tensor-parallel-size {args.tensor_parallel_size} is not supported yet: tritonllm runs a model on "
-            "one GPU; use --tensor-parallel-size 1 (the default)"
-        )
     return EngineConfig(
         model=model,
         tokenizer=args.tokenizer,
@@ -149,4 +145,5 @@ def engine_config_from_args(args: argparse.Namespace, model: str) -> EngineConfi
         enable_prefix_caching=args.enable_prefix_caching,
         seed=args.seed,
         enforce_eager=args.enforce_eager,
+        tensor_parallel_size=args.tensor_parallel_size,
     )

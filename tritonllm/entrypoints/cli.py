@@ -17,6 +17,7 @@ import os
 import sys
 
 from tritonllm.entrypoints.args import add_engine_args, add_model_arg, engine_config_from_args, resolve_model
+from tritonllm.runtime.errors import EngineDeadError
 
 DEFAULT_SERVED_NAME = "tritonllm-default"
 EPILOG = "Without a model, the built-in default model is used (a small Llama trained on Python's stdlib)."
@@ -145,6 +146,13 @@ def cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
         ignore_eos=args.ignore_eos,
     )
     engine, _ = _engine(args, parser)
+    try:
+        _generate(engine, args, text, params)
+    finally:
+        engine.shutdown()
+
+
+def _generate(engine, args: argparse.Namespace, text: str, params) -> None:
     prompt: str | dict = text
     if args.chat:
         rendered = engine.tokenizer.apply_chat_template([{"role": "user", "content": text}])
@@ -167,9 +175,16 @@ def cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
 
 
 def cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    engine, model = _engine(args, parser)
+    try:
+        _bench(engine, model, args)
+    finally:
+        engine.shutdown()
+
+
+def _bench(engine, model: str | None, args: argparse.Namespace) -> None:
     from tritonllm.entrypoints import bench
 
-    engine, model = _engine(args, parser)
     tokenizer = engine.tokenizer
     vocab = min(engine.model_config.vocab_size, tokenizer.vocab_size)
     workload = bench.synthetic_workload(
@@ -196,8 +211,9 @@ def cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
             "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
             "seed": args.seed,
             "dtype": str(engine.dtype).removeprefix("torch."),
-            "device": str(engine.runner.device),
-            "num_gpu_blocks": engine.runner.num_blocks,
+            "device": str(engine.device),
+            "num_gpu_blocks": engine.num_blocks,
+            "tensor_parallel_size": engine.config.tensor_parallel_size,
         }
         bench.write_json(args.json, result, settings)
 
@@ -210,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         COMMANDS[args.command](args, parser)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, EngineDeadError) as e:
         print(f"tritonllm {args.command}: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

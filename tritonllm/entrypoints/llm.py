@@ -22,11 +22,25 @@ class LLM:
 
     Keyword arguments are those of `EngineConfig` (dtype, quantization, max_model_len, block_size,
     gpu_memory_utilization, kv_cache_memory, num_gpu_blocks, max_num_seqs, max_num_batched_tokens,
-    enable_prefix_caching, seed, device, load_format, tokenizer, revision).
+    enable_prefix_caching, seed, device, load_format, tokenizer, revision, enforce_eager, tensor_parallel_size).
+
+    tensor_parallel_size=W > 1 starts W worker processes (spawned: a script must guard its top level with
+    `if __name__ == "__main__":`); `shutdown()`, leaving a `with LLM(...)` block, or interpreter exit stops them.
+    If a worker dies, `generate` raises EngineDeadError, and so does every later call (docs/distributed.md).
     """
 
     def __init__(self, model: str | None = None, **kwargs) -> None:
         self.engine = LLMEngine(EngineConfig(model=model or DEFAULT_MODEL, **kwargs))
+
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes (if any); idempotent."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     def get_tokenizer(self):
         return self.engine.tokenizer

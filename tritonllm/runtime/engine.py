@@ -1,8 +1,12 @@
 """The engine: requests in, one scheduled step at a time, RequestOutputs out.
 
 add_request ─▶ Scheduler.add_request            (validation, queueing)
-step():  Scheduler.schedule ─▶ ModelRunner.execute ─▶ Sampler ─▶ Scheduler.update_from_output
-         ─▶ stop checks + detokenization ─▶ RequestOutput for every request that moved
+step():  Scheduler.schedule ─▶ Executor.execute_step (every rank: forward; rank 0: sample, logprobs)
+         ─▶ Scheduler.update_from_output ─▶ stop checks + detokenization ─▶ RequestOutput for every request that moved
+
+The scheduler runs here, once; the model runs in the executor's workers (in this process for one rank). When the
+executor dies (a tensor-parallel worker exited), every request in flight fails with its EngineDeadError and every
+later call raises it.
 """
 
 from __future__ import annotations
@@ -16,17 +20,19 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from tritonllm.models.loader import load_model, resolve_model_path
+from tritonllm.models.config import ModelConfig
+from tritonllm.models.loader import resolve_model_path
 from tritonllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput, logprobs_dict
-from tritonllm.platform import default_device
 from tritonllm.runtime.detokenizer import IncrementalDetokenizer
 from tritonllm.runtime.engine_config import EngineConfig
-from tritonllm.runtime.model_runner import ModelRunner
-from tritonllm.runtime.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs
+from tritonllm.runtime.errors import EngineDeadError
+from tritonllm.runtime.executor import Executor, create_executor
+from tritonllm.runtime.sampler import LogprobsTensors
 from tritonllm.runtime.scheduler import Scheduler, SchedulerConfig
 from tritonllm.runtime.scheduler_output import SchedulerStats
 from tritonllm.runtime.sequence import Sequence, SequenceGroup, SequenceStatus
 from tritonllm.runtime.tokenizer import Tokenizer
+from tritonllm.runtime.worker import WorkerConfig
 from tritonllm.sampling_params import SamplingParams
 
 _FINISH_REASONS = {
@@ -65,27 +71,18 @@ class RequestState:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        device = torch.device(config.device) if config.device else default_device()
         path = resolve_model_path(config.model, config.revision)
-        self.model, self.model_config = load_model(
-            path,
-            dtype=config.dtype,
-            quantization=config.quantization,
-            device=device,
-            load_format=config.load_format,
-        )
+        self.model_config = ModelConfig.from_file(path)
         self.tokenizer = Tokenizer(config.tokenizer or path)
         self.eos_token_ids = eos_token_ids(path, self.model_config.eos_token_ids, self.tokenizer.eos_token_id)
-        self.dtype = next(self.model.parameters()).dtype
         self.max_model_len = config.resolve_max_model_len(self.model_config.max_position_embeddings)
         max_batched = config.max_num_batched_tokens or max(config.DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_model_len)
-        self.runner = ModelRunner(self.model, self.model_config, config.block_size, device, self.dtype)
-        num_blocks = self.runner.determine_num_blocks(
-            config.num_gpu_blocks, config.kv_cache_memory, config.gpu_memory_utilization, max_batched
+        self.dead_error: EngineDeadError | None = None
+        # Loads the model on every rank and sizes the KV cache. In a torchrun launch, ranks > 0 stay in here.
+        self.executor: Executor = create_executor(
+            WorkerConfig(config, path, self.max_model_len, max_batched, self.eos_token_ids)
         )
-        self.runner.allocate_kv_cache(num_blocks)
-        if device.type == "cuda" and not config.enforce_eager:
-            self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
+        num_blocks = self.executor.num_blocks
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_model_len=self.max_model_len,
@@ -96,7 +93,6 @@ class LLMEngine:
                 enable_prefix_caching=config.enable_prefix_caching,
             )
         )
-        self.sampler = Sampler(config.seed)
         # Requests without a seed get one from this generator at arrival, so that a preempted request
         # re-samples exactly what it would have, and a whole run is reproducible from the engine seed.
         self._seed_rng = random.Random(config.seed)
@@ -104,6 +100,67 @@ class LLMEngine:
         self._request_ids = itertools.count()
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
+
+    # ---- the workers ------------------------------------------------------------------------------
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.executor.dtype
+
+    @property
+    def device(self) -> torch.device:
+        """Rank 0's device."""
+        return self.executor.device
+
+    @property
+    def num_blocks(self) -> int:
+        return self.executor.num_blocks
+
+    def _driver(self):
+        worker = self.executor.driver_worker
+        if worker is None:
+            raise AttributeError(
+                f"with tensor_parallel_size={self.config.tensor_parallel_size} the model, runner and sampler live "
+                "in worker processes, not in the engine"
+            )
+        return worker
+
+    @property
+    def runner(self):
+        """The in-process rank-0 ModelRunner (one rank, or a torchrun driver)."""
+        return self._driver().runner
+
+    @property
+    def model(self):
+        return self._driver().model
+
+    @property
+    def sampler(self):
+        return self._driver().sampler
+
+    @sampler.setter
+    def sampler(self, sampler) -> None:
+        self._driver().sampler = sampler
+
+    def check_health(self) -> None:
+        """Raise EngineDeadError if the engine failed, was shut down, or lost a worker. Never blocks."""
+        if self.dead_error is not None:
+            raise self.dead_error
+        self.executor.check_health()
+
+    def shutdown(self) -> None:
+        """Stop the workers (idempotent); the engine then refuses every call with EngineDeadError."""
+        if self.dead_error is None:
+            self.dead_error = EngineDeadError("the engine is shut down")
+        self._requests.clear()
+        self.executor.shutdown()
+
+    def _die(self, error: EngineDeadError) -> None:
+        """The executor is gone: every request in flight ends (its caller gets `error`), later calls raise it."""
+        self.dead_error = error
+        for request_id in list(self._requests):
+            self.scheduler.abort_request(request_id)
+        self._requests.clear()
 
     # ---- requests ---------------------------------------------------------------------------------
 
@@ -145,6 +202,8 @@ class LLMEngine:
 
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None) -> str:
         """Queue a request; raises ValueError (changing nothing) for a prompt or parameters it could never run."""
+        if self.dead_error is not None:
+            raise self.dead_error
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
@@ -192,36 +251,28 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch. Returns the state of every request that produced something."""
+        if self.dead_error is not None:
+            raise self.dead_error
         out = self.scheduler.schedule()
         if out.is_empty:
             self.scheduler.update_from_output(out, [])
+            self.executor.discard(out.finished_seq_ids + out.preempted_seq_ids)
             return []
         wants_prompt_logits = {
             e.seq.seq_id
             for e in out.scheduled
             if self._requests[e.seq.request_id].prompt_logprobs is not None and e.seq.sample_index == 0
         }
-        result = self.runner.execute(out, wants_prompt_logits)
+        try:
+            result = self.executor.execute_step(out, wants_prompt_logits)
+        except EngineDeadError as e:
+            self._die(e)
+            raise
+        token_ids = result.sampled_token_ids
+        self._check_sampled(token_ids)
         sampled = out.sampled
-        token_ids: list[int] = []
-        sampler_out = None
-        if sampled:
-            seqs = [e.seq for e in sampled]
-            meta = SamplingMetadata.build(
-                [s.sampling_params for s in seqs],
-                [s.prompt_token_ids for s in seqs],
-                [s.output_token_ids for s in seqs],
-                result.sampled_logits.shape[1],
-                eos_token_id=self.eos_token_ids,
-                sample_indices=[s.sample_index for s in seqs],
-                device=result.sampled_logits.device,
-            )
-            sampler_out = self.sampler(result.sampled_logits, meta)
-            token_ids = sampler_out.sampled_token_ids.tolist()
-            self._check_sampled(token_ids)
-
-        for seq_id, (first_pos, logits) in result.prompt_logits.items():
-            self._record_prompt_logprobs(out, seq_id, first_pos, logits)
+        for seq_id, (first_pos, tensors) in result.prompt_logprobs.items():
+            self._record_prompt_logprobs(out, seq_id, first_pos, tensors)
         self.scheduler.update_from_output(out, token_ids)
 
         now = time.perf_counter()
@@ -237,8 +288,8 @@ class LLMEngine:
                 state.first_token_time = now
             self.num_generation_tokens_total += 1
             sample = state.samples[seq.seq_id]
-            if sampler_out is not None and sampler_out.logprobs is not None and sample.logprobs is not None:
-                self._record_logprobs(sample, sampler_out.logprobs, row, state.params.logprobs)
+            if result.logprobs is not None and sample.logprobs is not None:
+                self._record_logprobs(sample, result.logprobs, row, state.params.logprobs)
             self._check_stop(seq, sample, token, state.params)
         for entry in out.scheduled:
             state = self._requests.get(entry.seq.request_id)
@@ -276,22 +327,15 @@ class LLMEngine:
         sample.logprobs.append(logprobs_dict(ids, lps, rank, self._decode_token))
         sample.cumulative_logprob += lps[0]
 
-    def _record_prompt_logprobs(self, out, seq_id: int, first_pos: int, logits: torch.Tensor) -> None:
+    def _record_prompt_logprobs(self, out, seq_id: int, first_pos: int, tensors: LogprobsTensors) -> None:
         entry = next(e for e in out.scheduled if e.seq.seq_id == seq_id)
         state = self._requests.get(entry.seq.request_id)
         if state is None or state.prompt_logprobs is None:
             return
         # After a preemption the prompt is recomputed; positions already recorded are skipped.
         have = len(state.prompt_logprobs) - 1  # positions 0 .. have - 1 already predicted
-        skip = max(0, have - first_pos)
-        if skip >= logits.shape[0]:
-            return
-        next_ids = torch.tensor(
-            state.prompt_token_ids[first_pos + 1 + skip : first_pos + 1 + logits.shape[0]], device=logits.device
-        )
         k = state.params.prompt_logprobs
-        tensors = compute_prompt_logprobs(logits[skip:], next_ids, k)
-        for row in range(tensors.token_ids.shape[0]):
+        for row in range(max(0, have - first_pos), tensors.token_ids.shape[0]):
             ids = tensors.token_ids[row, : k + 1].tolist()
             lps = tensors.logprobs[row, : k + 1].tolist()
             state.prompt_logprobs.append(logprobs_dict(ids, lps, int(tensors.ranks[row]), self._decode_token))

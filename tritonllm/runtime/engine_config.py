@@ -22,6 +22,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     enforce_eager: bool = False  # True: no CUDA graphs (decode steps run eagerly, as prefill steps always do)
+    tensor_parallel_size: int = 1  # ranks the model is sharded over, one process (and GPU) each; docs/distributed.md
 
     DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 
@@ -34,6 +35,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1 (or None for the default), got {value}")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be an int >= 1, got {self.tensor_parallel_size!r}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
 

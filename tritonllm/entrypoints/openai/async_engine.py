@@ -7,7 +7,8 @@ loop, which puts each into its request's stream.
 
 Failure rules: a request the engine rejects (a ValueError from add_request) fails alone, its caller gets
 the exception; an exception from a step leaves the engine in an unknown state, so every in-flight request
-fails with EngineDeadError, later requests are refused at once, and `check_health` reports it.
+fails with EngineDeadError, later requests are refused at once, and `check_health` reports it (as it reports a
+tensor-parallel worker that died while the engine was idle).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from tritonllm.outputs import RequestOutput
+from tritonllm.runtime.errors import EngineDeadError  # noqa: F401  (re-exported: the server's handlers catch it)
 
 if TYPE_CHECKING:
     from tritonllm.entrypoints.openai.metrics import EngineMetrics
@@ -31,8 +33,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class EngineDeadError(RuntimeError):
-    """The engine failed during a step (or is shut down) and serves no more requests."""
+class ServerShuttingDownError(EngineDeadError):
+    """The server is stopping: requests still open end with this (503) rather than an engine failure (500)."""
 
 
 class RequestStream:
@@ -139,6 +141,10 @@ class AsyncLLMEngine:
             raise EngineDeadError(f"the engine failed: {type(self.dead_error).__name__}: {self.dead_error}")
         if not self.is_running:
             raise EngineDeadError("the engine loop is not running")
+        try:
+            self.engine.check_health()  # a tensor-parallel worker that died while the engine was idle
+        except EngineDeadError as e:
+            raise EngineDeadError(f"the engine failed: {e}") from None
 
     async def add_request(self, request_id: str, prompt: Any, params: SamplingParams) -> RequestStream:
         """Queue a request and wait until the engine has admitted it. Raises what `LLMEngine.add_request`
@@ -182,7 +188,7 @@ class AsyncLLMEngine:
                 except queue.Empty:
                     break
             if _STOP in commands:
-                error = EngineDeadError("the server is shutting down")
+                error = ServerShuttingDownError("the server is shutting down")
                 self._reject_adds(commands, error)
                 self._fail_all(error)
                 return

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server: a FastAPI app around one engine, and a uvicorn runner.
 
 Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (OpenAI's API; /v1/* needs the
-bearer token when an API key is set), GET /health (200, or 503 once the engine failed), GET /metrics
+bearer token when an API key is set), GET /health (200, or 503 once the engine failed or lost a tensor-parallel
+worker), GET /metrics
 (Prometheus text). Every error is answered as {"error": {"message", "type", "param", "code"}}.
 """
 
@@ -159,4 +160,7 @@ def run_server(
     app = create_app(engine, served_model_names, api_key)
     names = ", ".join(app.state.serving.served_model_names)
     logger.info("serving %s on http://%s:%d/v1", names, host, port)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    try:
+        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    finally:
+        engine.shutdown()  # tensor-parallel workers exit with the server

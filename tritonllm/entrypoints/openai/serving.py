@@ -14,7 +14,12 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from tritonllm.entrypoints.openai.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
+from tritonllm.entrypoints.openai.async_engine import (
+    AsyncLLMEngine,
+    EngineDeadError,
+    RequestStream,
+    ServerShuttingDownError,
+)
 from tritonllm.entrypoints.openai.errors import OpenAIError, invalid_request, model_not_found, server_error
 from tritonllm.entrypoints.openai.protocol import SamplingRequest
 from tritonllm.outputs import RequestOutput
@@ -182,18 +187,16 @@ def sse(payload: Any) -> str:
 
 def stream_failure(e: BaseException) -> str:
     """The error event that ends a stream whose headers are already sent (OpenAI clients raise on it)."""
-    if isinstance(e, OpenAIError):
-        err = e
-    elif isinstance(e, EngineDeadError):
-        err = server_error(str(e), 503)
-    else:
-        err = server_error(f"{type(e).__name__}: {e}")
+    err = e if isinstance(e, OpenAIError) else engine_failure(e)
     return sse(err.body()) + SSE_DONE
 
 
 def engine_failure(e: BaseException) -> OpenAIError:
-    if isinstance(e, EngineDeadError):
+    """An admitted request the engine could not finish: 500 with the engine's message (503 while shutting down)."""
+    if isinstance(e, ServerShuttingDownError):
         return server_error(str(e), 503)
+    if isinstance(e, EngineDeadError):
+        return server_error(str(e), 500)
     return server_error(f"{type(e).__name__}: {e}")
 
 

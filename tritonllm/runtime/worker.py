@@ -1,0 +1,173 @@
+"""One tensor-parallel rank: its device, its shard of the model, its KV cache, and (rank 0 only) the sampler.
+
+Every rank runs every step's forward pass (the layers' collectives need them all); rank 0 alone samples and turns
+logits into log-probabilities, and hands the engine a small picklable `StepResult`. With one rank the worker lives
+in the engine process and takes the scheduler's own SchedulerOutput; with several, ranks rebuild it from a
+`StepMessage` (`step_messages.py`).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from tritonllm.distributed.communication import tp_broadcast_object
+from tritonllm.distributed.parallel_state import get_tp_group, init_tensor_parallel
+from tritonllm.models.loader import load_model
+from tritonllm.platform import default_device
+from tritonllm.runtime.engine_config import EngineConfig
+from tritonllm.runtime.model_runner import ModelRunner
+from tritonllm.runtime.sampler import LogprobsTensors, Sampler, SamplingMetadata, compute_prompt_logprobs
+from tritonllm.runtime.scheduler_output import SchedulerOutput
+from tritonllm.runtime.step_messages import KEEPALIVE, SHUTDOWN, SequenceMirror, StepMessage
+
+
+@dataclass(slots=True)
+class WorkerConfig:
+    """What every rank is built from; picklable, so spawned worker processes get it as is."""
+
+    engine: EngineConfig
+    model_path: str  # a local directory (the engine resolves hub ids once, before any worker starts)
+    max_model_len: int
+    max_num_batched_tokens: int
+    eos_token_ids: frozenset[int]  # the stop tokens min_tokens bans while sampling
+
+
+@dataclass(slots=True)
+class StepResult:
+    """Rank 0's answer to one step: no logits, only what the engine records (tensors on the CPU)."""
+
+    sampled_token_ids: list[int]  # one per SchedulerOutput.sampled entry, in order
+    logprobs: LogprobsTensors | None  # rows as sampled_token_ids; None when no sampled row asked for logprobs
+    prompt_logprobs: dict[int, tuple[int, LogprobsTensors]]  # seq_id -> (first position, one row per position)
+
+
+def worker_device(requested: str | None, local_rank: int, world_size: int) -> torch.device:
+    """The rank's device: the requested one (or the default) with one rank; cuda:{local_rank} on GPUs with more."""
+    device = torch.device(requested) if requested else default_device()
+    if world_size == 1 or device.type != "cuda":
+        return device
+    if device.index is not None:
+        raise ValueError(
+            f"device={requested!r} names one GPU, but tensor_parallel_size={world_size} puts rank r on cuda:r; "
+            "pass device='cuda' and choose the GPUs with CUDA_VISIBLE_DEVICES"
+        )
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        raise ValueError(f"rank with local rank {local_rank} has no GPU: only {count} are visible on this host")
+    return torch.device("cuda", local_rank)
+
+
+def _usable_cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _min_over_ranks(value: int) -> int:
+    group = get_tp_group()
+    if not group.is_parallel:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group.cpu_group)
+    return int(t.item())
+
+
+def _to_cpu(t: LogprobsTensors) -> LogprobsTensors:
+    return LogprobsTensors(token_ids=t.token_ids.cpu(), logprobs=t.logprobs.cpu(), ranks=t.ranks.cpu())
+
+
+class Worker:
+    def __init__(
+        self,
+        config: WorkerConfig,
+        rank: int = 0,
+        world_size: int = 1,
+        init_method: str = "env://",
+        local_rank: int | None = None,
+    ) -> None:
+        engine = config.engine
+        self.config = config
+        self.rank, self.world_size = rank, world_size
+        if world_size > 1:
+            init_tensor_parallel(rank, world_size, init_method)
+        self.device = worker_device(engine.device, rank if local_rank is None else local_rank, world_size)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        elif world_size > 1:
+            torch.set_num_threads(max(1, _usable_cpus() // world_size))  # ranks on one host share its cores
+        self.model, self.model_config = load_model(
+            config.model_path,
+            dtype=engine.dtype,
+            quantization=engine.quantization,
+            device=self.device,
+            load_format=engine.load_format,
+        )
+        self.dtype = next(self.model.parameters()).dtype
+        self.runner = ModelRunner(self.model, self.model_config, engine.block_size, self.device, self.dtype)
+        num_blocks = self.runner.determine_num_blocks(
+            engine.num_gpu_blocks, engine.kv_cache_memory, engine.gpu_memory_utilization, config.max_num_batched_tokens
+        )
+        # Ranks may see different free memory; the scheduler's one block count must fit on every rank.
+        self.runner.allocate_kv_cache(_min_over_ranks(num_blocks))
+        if self.device.type == "cuda" and not engine.enforce_eager:
+            self.runner.capture_decode_graphs(engine.max_num_seqs, config.max_model_len)
+        self.sampler = Sampler(engine.seed)
+        self.mirror = SequenceMirror()
+
+    @property
+    def num_blocks(self) -> int:
+        return self.runner.num_blocks
+
+    # ---- one step ---------------------------------------------------------------------------------
+
+    def execute_step(self, out: SchedulerOutput, prompt_logit_seq_ids: set[int] = frozenset()) -> StepResult | None:
+        """Run the step's forward pass; on rank 0 also sample and compute the asked-for logprobs (else None)."""
+        result = self.runner.execute(out, prompt_logit_seq_ids)
+        if self.rank != 0:
+            return None
+        token_ids: list[int] = []
+        logprobs = None
+        sampled = out.sampled
+        if sampled:
+            seqs = [e.seq for e in sampled]
+            meta = SamplingMetadata.build(
+                [s.sampling_params for s in seqs],
+                [s.prompt_token_ids for s in seqs],
+                [s.output_token_ids for s in seqs],
+                result.sampled_logits.shape[1],
+                eos_token_id=self.config.eos_token_ids,
+                sample_indices=[s.sample_index for s in seqs],
+                device=result.sampled_logits.device,
+            )
+            sampler_out = self.sampler(result.sampled_logits, meta)
+            token_ids = sampler_out.sampled_token_ids.tolist()
+            if sampler_out.logprobs is not None:
+                logprobs = _to_cpu(sampler_out.logprobs)
+        prompt_logprobs = {}
+        if result.prompt_logits:
+            by_id = {e.seq.seq_id: e.seq for e in out.scheduled}
+            for seq_id, (first, logits) in result.prompt_logits.items():
+                seq = by_id[seq_id]
+                # Row i predicts the prompt token at first + i + 1.
+                next_ids = torch.tensor(seq.token_ids[first + 1 : first + 1 + logits.shape[0]], device=logits.device)
+                tensors = compute_prompt_logprobs(logits, next_ids, seq.sampling_params.prompt_logprobs)
+                prompt_logprobs[seq_id] = (first, _to_cpu(tensors))
+        return StepResult(token_ids, logprobs, prompt_logprobs)
+
+    def execute_message(self, msg: StepMessage) -> StepResult | None:
+        """A step sent by the engine: update the sequence mirror, then run it."""
+        return self.execute_step(self.mirror.apply(msg), msg.prompt_logit_seq_ids)
+
+    def follow(self) -> None:
+        """Ranks > 0: run each step rank 0 broadcasts until it broadcasts SHUTDOWN."""
+        while True:
+            msg = tp_broadcast_object(None)
+            if isinstance(msg, bytes):
+                msg = pickle.loads(msg)
+            if msg == SHUTDOWN:
+                return
+            if msg != KEEPALIVE:
+                self.execute_message(msg)
