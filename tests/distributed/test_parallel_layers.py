@@ -7,6 +7,7 @@ must give the reference's columns of the rank's share (q heads, replicated KV he
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,9 +16,10 @@ import torch
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
-from tests.distributed.tp_workers import TPWorkers
+from tests.distributed.tp_workers import RankError, TPWorkers
 from tests.helpers import assert_close, dtypes, seeds
-from tritonllm.distributed.parallel_state import get_tp_group
+from tests.quant.checkpoints import awq_settings, gptq_settings
+from tritonllm.distributed.parallel_state import get_tp_group, get_tp_rank
 from tritonllm.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tritonllm.models.layers.parallel_linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from tritonllm.quant.config import get_quant_config
@@ -55,13 +57,8 @@ class LayerCase:
         )
 
 
-def _awq(g: int) -> dict[str, Any]:
-    return {"quant_method": "awq", "bits": 4, "group_size": g, "zero_point": True, "version": "gemm"}
-
-
 def _gptq(bits: int, g: int, desc_act: bool, fmt: str = "gptq", sym: bool = False) -> dict[str, Any]:
-    return {"quant_method": "gptq", "bits": bits, "group_size": g, "desc_act": desc_act, "sym": sym,
-            "checkpoint_format": fmt}  # fmt: skip
+    return gptq_settings(bits, g, sym=sym, desc_act=desc_act, checkpoint_format=fmt)
 
 
 CASES = {
@@ -69,9 +66,9 @@ CASES = {
     "qkv-dense-split-kv": LayerCase("qkv", 24, heads=(8, 4, 2)),
     "qkv-dense-replicated-kv": LayerCase("qkv", 24, heads=(8, 4, 1)),
     "row-dense": LayerCase("row", 38, (23,)),
-    "column-awq-fused": LayerCase("column", 64, (32, 48), quant=_awq(32)),
-    "row-awq": LayerCase("row", 128, (24,), quant=_awq(32)),
-    "row-awq-one-group": LayerCase("row", 64, (16,), quant=_awq(-1), bias=False),
+    "column-awq-fused": LayerCase("column", 64, (32, 48), quant=awq_settings(32)),
+    "row-awq": LayerCase("row", 128, (24,), quant=awq_settings(32)),
+    "row-awq-one-group": LayerCase("row", 64, (16,), quant=awq_settings(-1), bias=False),
     "qkv-gptq4-actorder": LayerCase("qkv", 64, heads=(16, 4, 2), quant=_gptq(4, 32, True)),
     "column-gptq3-actorder-fused": LayerCase("column", 64, (64, 64), quant=_gptq(3, 32, True, "gptq_v2")),
     "row-gptq4": LayerCase("row", 128, (24,), quant=_gptq(4, 32, False)),
@@ -199,3 +196,25 @@ def test_vocab_parallel_embedding_and_head(workers, vocab, seed, tied):
         torch.testing.assert_close(emb_r, embedded, atol=0, rtol=0)  # exactly one rank contributes each row
         assert logits_r.dtype == torch.float32 and logits_r.shape == (5, vocab) and logits_r.is_contiguous()
         torch.testing.assert_close(logits_r, logits, atol=1e-5, rtol=1e-5)
+
+
+def fail_on_last_rank(seconds: float = 0.0) -> int:
+    tp = get_tp_group()
+    time.sleep(seconds)
+    if tp.rank == tp.world_size - 1:
+        raise ZeroDivisionError("raised on purpose")
+    return tp.rank
+
+
+# Last in the file: the hang stops the pool (a later run would start a fresh one).
+def test_a_rank_exception_reaches_the_parent_with_its_traceback(workers):
+    with pytest.raises(RankError, match=r"(?s)fail_on_last_rank failed on rank 1 of 2.*ZeroDivisionError: raised on"):
+        workers.run(fail_on_last_rank)
+    assert workers.run(get_tp_rank) == [0, 1]  # every rank reported, so the pool carries on
+
+
+def test_a_hang_fails_after_the_timeout(workers):
+    assert workers.run(get_tp_rank) == [0, 1]
+    workers.timeout = 1.0
+    with pytest.raises(TimeoutError, match="fail_on_last_rank did not finish on every rank within 1 s"):
+        workers.run(fail_on_last_rank, 30.0)

@@ -132,22 +132,23 @@ class TPWorkers:
                 # The other ranks get a short grace: they may be waiting in a collective the failed rank never joins.
                 limit = min(limit, time.monotonic() + 5.0)
         if failures or len(values) < self.world_size:
-            self.close()
+            if len(values) + len(failures) < self.world_size or any(not p.is_alive() for p in self._procs):
+                self.close(kill=True)  # a rank is stuck (in a collective the others left) or gone: start afresh
             if failures:
                 rank = min(failures)
                 raise RankError(f"{what} failed on rank {rank} of {self.world_size}:\n{failures[rank]}")
             raise TimeoutError(f"{what} did not finish on every rank within {self.timeout:.0f} s")
         return [values[r] for r in range(self.world_size)]
 
-    def close(self) -> None:
-        """Stop the processes (a later run starts fresh ones)."""
+    def close(self, kill: bool = False) -> None:
+        """Stop the processes (a later run starts fresh ones); `kill` does not wait for a busy rank."""
         if not self._procs:
             return
         for p, q in zip(self._procs, self._tasks, strict=True):
-            if p.is_alive():
+            if p.is_alive() and not kill:
                 q.put(None)
         for p in self._procs:
-            p.join(timeout=10)
+            p.join(timeout=0 if kill else 10)
             if p.is_alive():
                 p.kill()
                 p.join()
