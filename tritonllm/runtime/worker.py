@@ -113,7 +113,9 @@ class Worker:
         # Ranks may see different free memory; the scheduler's one block count must fit on every rank.
         self.runner.allocate_kv_cache(_min_over_ranks(num_blocks))
         if self.device.type == "cuda" and not engine.enforce_eager:
-            self.runner.capture_decode_graphs(engine.max_num_seqs, config.max_model_len)
+            self.runner.capture_decode_graphs(
+                engine.max_num_seqs, config.max_model_len, max_num_batched_tokens=config.max_num_batched_tokens
+            )
         self.sampler = Sampler(engine.seed)
         self.mirror = SequenceMirror()
 
