@@ -77,6 +77,8 @@ class MultiprocExecutor(Executor):
     def execute_step(self, out: SchedulerOutput, prompt_logit_seq_ids: set[int]) -> StepResult:
         if self._dead is not None:
             raise self._dead
+        if wait([p.sentinel for p in self._procs], timeout=0):  # one died between steps: it, not the step, failed
+            self._fail("while the engine was idle")
         payload = pickle.dumps(self._encoder.encode(out, prompt_logit_seq_ids), protocol=pickle.HIGHEST_PROTOCOL)
         try:
             self._conns[0].send_bytes(payload)
