@@ -14,6 +14,13 @@ from tritonllm.runtime.sampler import (
 )
 from tritonllm.sampling_params import SamplingParams
 
+
+def build_metadata(params, prompts, outputs, vocab_size, **kwargs) -> SamplingMetadata:
+    """SamplingMetadata of rows given as prompt and output lists."""
+    token_ids = [list(p) + list(o) for p, o in zip(prompts, outputs, strict=True)]
+    return SamplingMetadata.build(params, token_ids, [len(p) for p in prompts], vocab_size, **kwargs)
+
+
 vocab_sizes = st.sampled_from([5, 64, 123, 1151])
 
 
@@ -70,9 +77,7 @@ def test_metadata_build(seed, v):
         SamplingParams(seed=7, frequency_penalty=0.5, logprobs=2),
         SamplingParams(top_p=0.5, stop_token_ids=[1], min_tokens=100, max_tokens=None, ignore_eos=True, logprobs=4),
     ]
-    meta = SamplingMetadata.build(
-        params, prompts, outputs, v, eos_token_id=0, sample_indices=[0, 1, 2, 0], device=DEVICE
-    )
+    meta = build_metadata(params, prompts, outputs, v, eos_token_id=0, sample_indices=[0, 1, 2, 0], device=DEVICE)
     assert meta.positions.tolist() == [len(a) + len(b) for a, b in zip(prompts, outputs, strict=True)]
     assert meta.temperature.tolist() == [0.0, 1.0, 1.0, 1.0]
     assert meta.seeds.tolist()[1:3] == [0, 9]  # seed + sample index, wrapped to 64 bits
@@ -100,7 +105,7 @@ def test_greedy_rows_are_argmax_of_penalized_logits(seed, n, v):
         for _ in range(n)
     ]
     logits = _logits(n, v, seed)
-    meta = SamplingMetadata.build(params, prompts, outputs, v, device=DEVICE)
+    meta = build_metadata(params, prompts, outputs, v, device=DEVICE)
     tokens = Sampler()(logits, meta).sampled_token_ids
     assert tokens.tolist() == _penalized_ref(logits, params, prompts, outputs).argmax(dim=1).tolist()
 
@@ -118,7 +123,7 @@ def test_filtered_rows_draw_only_allowed_tokens(seed, v, top_k, top_p, min_p, te
     row = _logits(1, v, seed)
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
     prompts, outputs = [[0]] * draws, [[1] * i for i in range(draws)]  # one request at 64 positions
-    meta = SamplingMetadata.build([params] * draws, prompts, outputs, v, device=DEVICE)
+    meta = build_metadata([params] * draws, prompts, outputs, v, device=DEVICE)
     tokens = Sampler()(row.expand(draws, v).contiguous(), meta).sampled_token_ids
     allowed = _filter_ref(row[0].cpu() / temperature, top_k, top_p, min_p)
     assert set(tokens.tolist()) <= allowed
@@ -145,7 +150,7 @@ def test_filters_treat_nan_logits_as_minus_inf(seed, v, top_k, top_p, min_p):
     row[0, nan.to(DEVICE)] = float("nan")
     params = SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
     prompts, outputs = [[0]] * draws, [[1] * i for i in range(draws)]
-    meta = SamplingMetadata.build([params] * draws, prompts, outputs, v, device=DEVICE)
+    meta = build_metadata([params] * draws, prompts, outputs, v, device=DEVICE)
     tokens = Sampler()(row.expand(draws, v).contiguous(), meta).sampled_token_ids.tolist()
     allowed = _filter_ref(torch.where(nan, float("-inf"), row[0].cpu()), top_k, top_p, min_p)
     assert set(tokens) <= allowed - set(torch.nonzero(nan)[:, 0].tolist())
@@ -173,7 +178,7 @@ def test_filtered_distribution_is_renormalized(seed, temperature):
     row = torch.linspace(-1.5, 1.5, v)[torch.randperm(v, generator=torch.Generator().manual_seed(seed))].to(DEVICE)
     params = SamplingParams(temperature=temperature, top_k=3)
     prompts, outputs = [[0]] * draws, [[]] * draws
-    meta = SamplingMetadata.build([params] * draws, prompts, outputs, v, device=DEVICE)
+    meta = build_metadata([params] * draws, prompts, outputs, v, device=DEVICE)
     tokens = Sampler(seed=seed)(row.expand(draws, v).contiguous(), meta).sampled_token_ids.cpu()
     top = row.cpu().topk(3).indices
     counts = torch.bincount(tokens, minlength=v)
@@ -191,14 +196,14 @@ def test_seeded_requests_reproduce_alone_or_batched(seed, v):
         SamplingParams(seed=seed + r, temperature=1.0, repetition_penalty=1.1 if r % 2 else 1.0) for r in range(n)
     ]
     logits = _logits(n, v, seed, scale=0.3)
-    batched = Sampler(seed=1)(logits, SamplingMetadata.build(params, prompts, outputs, v, device=DEVICE))
+    batched = Sampler(seed=1)(logits, build_metadata(params, prompts, outputs, v, device=DEVICE))
     for r in range(n):
         # Alone, with a different engine seed and after other steps: same token.
         sampler = Sampler(seed=2)
-        sampler(logits, SamplingMetadata.build([SamplingParams()] * n, prompts, outputs, v, device=DEVICE))
+        sampler(logits, build_metadata([SamplingParams()] * n, prompts, outputs, v, device=DEVICE))
         alone = sampler(
             logits[r : r + 1],
-            SamplingMetadata.build(params[r : r + 1], prompts[r : r + 1], outputs[r : r + 1], v, device=DEVICE),
+            build_metadata(params[r : r + 1], prompts[r : r + 1], outputs[r : r + 1], v, device=DEVICE),
         )
         assert alone.sampled_token_ids.item() == batched.sampled_token_ids[r].item()
 
@@ -207,7 +212,7 @@ def test_seeded_requests_reproduce_alone_or_batched(seed, v):
 def test_unseeded_rows_follow_the_engine_seed(seed):
     n, v = 32, 123
     logits = _logits(n, v, seed, scale=0.1)
-    meta = SamplingMetadata.build([SamplingParams()] * n, [[0]] * n, [[]] * n, v, device=DEVICE)
+    meta = build_metadata([SamplingParams()] * n, [[0]] * n, [[]] * n, v, device=DEVICE)
     first = Sampler(seed=seed)(logits, meta).sampled_token_ids
     assert torch.equal(Sampler(seed=seed)(logits, meta).sampled_token_ids, first)
     assert not torch.equal(Sampler(seed=seed + 1)(logits, meta).sampled_token_ids, first)
@@ -224,7 +229,7 @@ def test_logprobs_are_raw_with_sampled_token_and_rank(seed, v, k):
         SamplingParams(temperature=0.5, top_k=2, min_tokens=9, logprobs=k),
         SamplingParams(seed=3),
     ]
-    out = Sampler(seed=seed)(logits, SamplingMetadata.build(params, prompts, outputs, v, eos_token_id=0, device=DEVICE))
+    out = Sampler(seed=seed)(logits, build_metadata(params, prompts, outputs, v, eos_token_id=0, device=DEVICE))
     raw = torch.log_softmax(logits.double(), dim=1)
     lp = out.logprobs
     k = min(k, v)
@@ -244,7 +249,7 @@ def test_min_tokens_bans_stop_tokens_until_reached(seed, v):
     logits[:, 1 % v] = 90.0
     params = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[1 % v])
     eos = frozenset({0, 2 % v})  # several EOS ids, as Llama 3 lists
-    meta = SamplingMetadata.build([params] * 3, [[2]] * 3, [[], [3], [3, 3]], v, eos_token_id=eos, device=DEVICE)
+    meta = build_metadata([params] * 3, [[2]] * 3, [[], [3], [3, 3]], v, eos_token_id=eos, device=DEVICE)
     tokens = Sampler()(logits, meta).sampled_token_ids.tolist()
     assert tokens[0] not in (0, 1 % v, 2 % v) and tokens[1] not in (0, 1 % v, 2 % v)
     assert tokens[2] == 0

@@ -82,23 +82,24 @@ class SamplingMetadata:
     def build(
         cls,
         params: Sequence[SamplingParams],
-        prompt_token_ids: Sequence[Sequence[int]],
-        output_token_ids: Sequence[Sequence[int]],
+        token_ids: Sequence[Sequence[int]],
+        num_prompt_tokens: Sequence[int],
         vocab_size: int,
         *,
         eos_token_id: int | Collection[int] | None = None,
         sample_indices: Sequence[int] | None = None,
         device: torch.device | str = "cpu",
     ) -> "SamplingMetadata":
-        """One row per entry: its request's params, prompt and output so far (the token being sampled comes
-        next). sample_indices: which of the request's n samples each row is (seeded rows use seed + index,
-        as vLLM does). eos_token_id (one id or several, as Llama 3 lists) joins the stop tokens that min_tokens
-        bans (unless ignore_eos)."""
+        """One row per entry: its request's params and token ids so far, the first num_prompt_tokens of them the
+        prompt, the rest output (the token being sampled comes next). The lists are only read, and sliced only
+        for rows with penalties. sample_indices: which of the request's n samples each row is (seeded rows use
+        seed + index, as vLLM does). eos_token_id (one id or several, as Llama 3 lists) joins the stop tokens that
+        min_tokens bans (unless ignore_eos)."""
         n = len(params)
-        if not len(prompt_token_ids) == len(output_token_ids) == n:
+        if not len(token_ids) == len(num_prompt_tokens) == n:
             raise ValueError(
-                f"one prompt and one output list per row: got {n} params, {len(prompt_token_ids)} prompts, "
-                f"{len(output_token_ids)} outputs"
+                f"one token list and one prompt length per row: got {n} params, {len(token_ids)} token lists, "
+                f"{len(num_prompt_tokens)} prompt lengths"
             )
         sample_indices = list(sample_indices) if sample_indices is not None else [0] * n
         greedy = [p.is_greedy for p in params]
@@ -117,9 +118,7 @@ class SamplingMetadata:
             ),
             seeds=row_tensor([k - 2**64 if k >= 2**63 else k for k in keys], torch.int64),
             seeded=row_tensor([p.seed is not None for p in params], torch.bool),
-            positions=row_tensor(
-                [len(a) + len(b) for a, b in zip(prompt_token_ids, output_token_ids, strict=True)], torch.int64
-            ),
+            positions=row_tensor([len(t) for t in token_ids], torch.int64),
             all_greedy=all(greedy),
             any_unseeded=any(p.seed is None and not g for p, g in zip(params, greedy, strict=True)),
         )
@@ -138,16 +137,16 @@ class SamplingMetadata:
             meta.output_counts = torch.zeros((n, vocab_size), dtype=torch.int32, device=device)
             # Rows without penalties are never read by the kernel: skip their tokens.
             rows = [r for r, p in enumerate(params) if p.has_penalties]
-            prompt_rows, prompt_toks = _pairs(rows, [prompt_token_ids[r] for r in rows])
+            prompt_rows, prompt_toks = _pairs(rows, [token_ids[r][: num_prompt_tokens[r]] for r in rows])
             meta.prompt_mask[prompt_rows.to(device), prompt_toks.to(device)] = True
-            out_rows, out_toks = _pairs(rows, [output_token_ids[r] for r in rows])
+            out_rows, out_toks = _pairs(rows, [token_ids[r][num_prompt_tokens[r] :] for r in rows])
             ones = torch.ones(out_rows.numel(), dtype=torch.int32, device=device)
             meta.output_counts.index_put_((out_rows.to(device), out_toks.to(device)), ones, accumulate=True)
 
         banned = [
             (r, t)
             for r, p in enumerate(params)
-            if len(output_token_ids[r]) < p.min_tokens
+            if p.min_tokens and len(token_ids[r]) - num_prompt_tokens[r] < p.min_tokens
             for t in sorted(p.stop_token_set(eos_token_id))
             if t < vocab_size
         ]

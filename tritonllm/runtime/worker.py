@@ -137,8 +137,8 @@ class Worker:
             seqs = [e.seq for e in sampled]
             meta = SamplingMetadata.build(
                 [s.sampling_params for s in seqs],
-                [s.prompt_token_ids for s in seqs],
-                [s.output_token_ids for s in seqs],
+                [s.token_ids for s in seqs],
+                [s.num_prompt_tokens for s in seqs],
                 result.sampled_logits.shape[1],
                 eos_token_id=self.config.eos_token_ids,
                 sample_indices=[s.sample_index for s in seqs],
