@@ -1,5 +1,6 @@
 """How one request samples and when it stops: the user-facing knobs, validated once at construction."""
 
+import enum
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -9,6 +10,13 @@ GREEDY_TEMPERATURE = 1e-5
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+class RequestOutputKind(enum.Enum):
+    """When the engine reports a request (vLLM's names): after every step that moved it, or only once finished."""
+
+    CUMULATIVE = 0  # every step: everything so far (streaming)
+    FINAL_ONLY = 2  # once, when finished (offline generation: no per-step output objects)
 
 
 @dataclass(slots=True)
@@ -38,6 +46,7 @@ class SamplingParams:
     prompt_logprobs: the same for each prompt token.
     skip_special_tokens: leave special tokens out of the output text.
     include_stop_str_in_output: keep the stop string at the end of the output text.
+    output_kind: RequestOutputKind.CUMULATIVE reports the request after every step, FINAL_ONLY only when it ends.
     """
 
     n: int = 1
@@ -58,6 +67,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         self._validate()
@@ -104,6 +114,8 @@ class SamplingParams:
             raise bad("min_tokens", "an int >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"<= max_tokens ({self.max_tokens})")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise bad("output_kind", "a RequestOutputKind (CUMULATIVE or FINAL_ONLY)")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 0):

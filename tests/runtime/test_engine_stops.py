@@ -1,7 +1,10 @@
 """Stop conditions through the engine, against each request's known greedy output: stop strings cut exactly,
-stop_token_ids, every EOS id of config.json and generation_config.json, ignore_eos, min_tokens, max_tokens."""
+stop_token_ids, every EOS id of config.json and generation_config.json, ignore_eos, min_tokens, max_tokens; and
+when a request is reported (every step, or only once finished)."""
 
 from functools import lru_cache
+
+import pytest
 
 from tests.runtime.tiny_engine import (
     EOS,
@@ -15,6 +18,7 @@ from tests.runtime.tiny_engine import (
 )
 from tritonllm.outputs import CompletionOutput
 from tritonllm.runtime.tokenizer import Tokenizer
+from tritonllm.sampling_params import RequestOutputKind, SamplingParams
 
 # Fixed prompts: the stop strings are built from what the model makes of them.
 PROMPTS = [random_prompt(100 + i, 4 + i) for i in range(3)]
@@ -158,3 +162,20 @@ def test_every_eos_id_of_config_and_generation_config_stops():
     assert outs["ignore"].token_ids == refs[0] and outs["ignore"].finish_reason == "length"
     got = outs["min"]
     assert got.token_ids[:kb] == refs[1][:kb] and not {EOS, a, b} & set(got.token_ids[: kb + 1])
+
+
+@fresh_thread
+def test_final_only_requests_are_reported_once_finished():
+    engine = make_engine()
+    final = engine.add_request(None, random_prompt(3, 5), greedy(4, output_kind=RequestOutputKind.FINAL_ONLY))
+    streamed = engine.add_request(None, random_prompt(4, 5), greedy(4))
+    seen: dict[str, list] = {final: [], streamed: []}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen[out.request_id].append(out)
+    assert len(seen[final]) == 1 and seen[final][0].finished
+    assert len(seen[streamed]) == 4 and [o.finished for o in seen[streamed]] == [False] * 3 + [True]
+    # The one report carries what the streamed request ends with, for the same kind of request.
+    assert len(seen[final][0].outputs[0].token_ids) == 4 and seen[final][0].outputs[0].finish_reason == "length"
+    with pytest.raises(ValueError, match="output_kind"):
+        SamplingParams(output_kind="final")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -10,7 +11,7 @@ from tqdm.auto import tqdm
 from tritonllm.outputs import RequestOutput
 from tritonllm.runtime.engine import LLMEngine, PromptType
 from tritonllm.runtime.engine_config import EngineConfig
-from tritonllm.sampling_params import SamplingParams
+from tritonllm.sampling_params import RequestOutputKind, SamplingParams
 
 # A 4.3M-parameter Llama trained on Python's standard library, shipped inside the package
 # (docs/default_model.md): what every entry point runs when no model is named.
@@ -94,7 +95,8 @@ class LLM:
         ids: list[str] = []
         try:
             for prompt, p in zip(prompts, params, strict=True):
-                ids.append(engine.add_request(None, prompt, p))
+                # Only finished requests are returned: the engine need not build outputs on every step.
+                ids.append(engine.add_request(None, prompt, replace(p, output_kind=RequestOutputKind.FINAL_ONLY)))
         except Exception:
             for request_id in ids:  # all or nothing: a bad prompt leaves no request behind
                 engine.abort_request(request_id)

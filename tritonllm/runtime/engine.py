@@ -33,7 +33,7 @@ from tritonllm.runtime.scheduler_output import SchedulerStats
 from tritonllm.runtime.sequence import Sequence, SequenceGroup, SequenceStatus
 from tritonllm.runtime.tokenizer import Tokenizer
 from tritonllm.runtime.worker import WorkerConfig
-from tritonllm.sampling_params import SamplingParams
+from tritonllm.sampling_params import RequestOutputKind, SamplingParams
 
 _FINISH_REASONS = {
     SequenceStatus.FINISHED_STOPPED: "stop",
@@ -296,7 +296,11 @@ class LLMEngine:
             if state is not None and state.prompt_logprobs is not None:
                 touched[state.request_id] = state
 
-        outputs = [self._make_output(state) for state in touched.values()]
+        outputs = [
+            self._make_output(state)
+            for state in touched.values()
+            if state.params.output_kind is not RequestOutputKind.FINAL_ONLY or state.group.is_finished
+        ]
         for o in outputs:
             if o.finished:
                 self._requests.pop(o.request_id, None)
