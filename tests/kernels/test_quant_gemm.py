@@ -1,5 +1,6 @@
-"""Fused W4A16 GEMM: y = x @ dequant(W) (+ bias) per activation dtype, for AWQ and GPTQ (2/4/8-bit, v1/v2 zeros,
-act-order permutations), through both the split-K (small M) and the unsplit (large M) launch."""
+"""Fused quantized GEMM: y = x[:, perm] @ dequant(W) (+ bias) per activation dtype, for GPTQ-packed weights of
+2, 4 and 8 bits (v1 / v2 zeros; AWQ is repacked into this layout), through the GEMV kernel and the tl.dot kernel,
+unsplit and split-K, for groups that are whole tiles, whole words or narrower than a word."""
 
 import pytest
 import torch
@@ -7,89 +8,127 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from tests.helpers import DEVICE, assert_close, dtypes, randn, seeds
-from tritonllm.kernels.quant_gemm import awq_gemm, awq_gemm_ref, gptq_gemm, gptq_gemm_ref
-from tritonllm.kernels.quant_gemm_config import QuantGemmConfig, quant_gemm_config
-from tritonllm.quant.pack import pack_awq_int, pack_bits
+from tritonllm.kernels.quant_gemm import gptq_gemm, gptq_gemm_ref
+from tritonllm.kernels.quant_gemm_common import _LOCKS
+from tritonllm.kernels.quant_gemm_config import (
+    HOPPER_TABLE,
+    M_BUCKETS,
+    QuantGemmConfig,
+    check_config,
+    quant_gemm_config,
+    sweep_candidates,
+)
+from tritonllm.quant.pack import pack_bits
 
-# Operands are rounded to the activation dtype before the dot (the weight after dequantization), so the error is
-# a little over one rounding of the output: twice the per-dtype tolerance.
+# The dot kernel rounds the dequantized weight to the activation dtype before the product, so the error is a
+# little over one rounding of the output: twice the per-dtype tolerance.
 TOL_SCALE = 2.0
 
-# None: the heuristic's choice for this M; otherwise force the split-K or the unsplit launch.
-splits = st.sampled_from([None, 1, 3])
+# Small launches that still exercise several N tiles, K tiles and splits on tiny shapes.
+KINDS = {
+    "auto": None,
+    "gemv": QuantGemmConfig(1, 32, 32, 1, 4, 2, gemv=True),
+    "dot": QuantGemmConfig(16, 32, 32, 1, 4, 2),
+}
 
 
-def _config(m, n, k, group_size, split):
-    cfg = quant_gemm_config(m, n, k, group_size)
-    if split is None:
+def _config(kind: str, split: int) -> QuantGemmConfig | None:
+    cfg = KINDS[kind]
+    if cfg is None:
         return None
-    return QuantGemmConfig(cfg.block_m, cfg.block_n, cfg.block_k, split, cfg.num_warps, cfg.num_stages)
+    return QuantGemmConfig(cfg.block_m, cfg.block_n, cfg.block_k, split, cfg.num_warps, cfg.num_stages, cfg.gemv)
 
 
-def _scales(groups, n, k, bits, g):
-    # Scaled so that y has unit size: w ~ 2**bits * s ~ 1 / sqrt(K).
-    return ((torch.rand(groups, n, generator=g) + 0.5) * 2.0 / (2**bits * k**0.5)).to(torch.float16)
-
-
-@given(
-    seed=seeds(),
-    m=st.sampled_from([1, 5, 33, 123]),
-    n_words=st.sampled_from([1, 5, 17]),
-    group_size=st.sampled_from([32, 64, 128, -1]),
-    k_groups=st.sampled_from([1, 3]),
-    dtype=dtypes,
-    split=splits,
-    has_bias=st.booleans(),
-)
-@example(seed=9, m=1, n_words=17, group_size=128, k_groups=3, dtype=torch.bfloat16, split=3, has_bias=True)
-def test_awq_gemm_matches_reference(seed, m, n_words, group_size, k_groups, dtype, split, has_bias):
-    g = torch.Generator().manual_seed(seed)
-    n = 8 * n_words
-    k = (group_size if group_size > 0 else 40) * k_groups
-    groups = 1 if group_size == -1 else k // group_size
-    qweight = pack_awq_int(torch.randint(0, 16, (k, n), generator=g)).to(DEVICE)
-    qzeros = pack_awq_int(torch.randint(0, 16, (groups, n), generator=g)).to(DEVICE)
-    scales = _scales(groups, n, k, 4, g).to(DEVICE)
-    x = randn(m, k, dtype=dtype, seed=seed + 1)
-    bias = randn(n, dtype=dtype, seed=seed + 2) if has_bias else None
-    y = awq_gemm(x, qweight, qzeros, scales, group_size, bias, config=_config(m, n, k, group_size, split))
-    assert y.dtype == dtype and y.shape == (m, n)
-    assert_close(y, awq_gemm_ref(x, qweight, qzeros, scales, group_size, bias), dtype, scale=TOL_SCALE)
-
-
-@given(
-    seed=seeds(),
-    m=st.sampled_from([1, 5, 33, 123]),
-    bits=st.sampled_from([2, 4, 8]),
-    n=st.sampled_from([16, 80, 144]),
-    k=st.sampled_from([64, 80, 192]),
-    group_size=st.sampled_from([32, 64, -1]),
-    act_order=st.booleans(),
-    zero_offset=st.sampled_from([0, 1]),
-    dtype=dtypes,
-    split=splits,
-)
-@example(seed=7, m=1, bits=4, n=80, k=80, group_size=32, act_order=True, zero_offset=1, dtype=torch.bfloat16, split=3)
-@example(seed=8, m=33, bits=8, n=144, k=192, group_size=64, act_order=True, zero_offset=0, dtype=torch.float16, split=1)
-def test_gptq_gemm_matches_reference(seed, m, bits, n, k, group_size, act_order, zero_offset, dtype, split):
+def _weights(k, n, bits, group_size, seed):
+    """Random packed words (every field value, v1's all-ones zeros included) and scales sized for |y| ~ 1."""
     g = torch.Generator().manual_seed(seed)
     gs = k if group_size == -1 else group_size
-    groups = -(-k // gs)  # k = 80 leaves a short last group
-    qweight = pack_bits(torch.randint(0, 2**bits, (k, n), generator=g), bits, dim=0).to(DEVICE)
-    # Random zero fields include all-ones, which v1 (zero_offset 1) reads as 2**bits.
-    qzeros = pack_bits(torch.randint(0, 2**bits, (groups, n), generator=g), bits, dim=1).to(DEVICE)
-    scales = _scales(groups, n, k, bits, g).to(DEVICE)
+    groups = -(-k // gs)  # a K that is no multiple of the group leaves a short last group
+    qweight = pack_bits(torch.randint(0, 2**bits, (k, n), generator=g), bits, dim=0)
+    qzeros = pack_bits(torch.randint(0, 2**bits, (groups, n), generator=g), bits, dim=1)
+    scales = ((torch.rand(groups, n, generator=g) + 0.5) * 2.0 / (2**bits * k**0.5)).to(torch.float16)
+    return qweight.to(DEVICE), qzeros.to(DEVICE), scales.to(DEVICE)
+
+
+@given(
+    seed=seeds(),
+    m=st.sampled_from([1, 3, 16, 17, 64]),
+    bits=st.sampled_from([2, 4, 8]),
+    n_words=st.sampled_from([1, 5, 17]),
+    k_words=st.sampled_from([5, 17, 41]),
+    group_size=st.sampled_from([32, 64, 128, -1]),
+    act_order=st.booleans(),
+    zero_offset=st.sampled_from([0, 1]),
+    has_bias=st.booleans(),
+    dtype=dtypes,
+    kind=st.sampled_from(list(KINDS)),
+    split=st.sampled_from([1, 3]),
+)
+@example(
+    seed=7, m=1, bits=4, n_words=17, k_words=41, group_size=128, act_order=True, zero_offset=1, has_bias=True,
+    dtype=torch.bfloat16, kind="gemv", split=3,
+)  # fmt: skip
+@example(
+    seed=8, m=16, bits=4, n_words=5, k_words=41, group_size=32, act_order=False, zero_offset=0, has_bias=True,
+    dtype=torch.float16, kind="dot", split=3,
+)  # fmt: skip
+@example(
+    seed=9, m=17, bits=8, n_words=17, k_words=17, group_size=64, act_order=True, zero_offset=1, has_bias=False,
+    dtype=torch.bfloat16, kind="dot", split=1,
+)  # fmt: skip
+@example(
+    seed=10, m=3, bits=2, n_words=5, k_words=17, group_size=32, act_order=False, zero_offset=1, has_bias=False,
+    dtype=torch.float32, kind="gemv", split=3,
+)  # fmt: skip
+def test_gemm_matches_reference(
+    seed, m, bits, n_words, k_words, group_size, act_order, zero_offset, has_bias, dtype, kind, split
+):
+    pack = 32 // bits
+    n, k = pack * n_words, pack * k_words
+    qweight, qzeros, scales = _weights(k, n, bits, group_size, seed)
+    g = torch.Generator().manual_seed(seed + 1)
     perm = torch.randperm(k, generator=g).to(torch.int32).to(DEVICE) if act_order else None
-    x = randn(3, m, k, dtype=dtype, seed=seed + 1)  # leading dims flatten into M
-    y = gptq_gemm(
-        x, qweight, qzeros, scales, bits, group_size, zero_offset, perm, config=_config(3 * m, n, k, gs, split)
-    )
-    assert y.dtype == dtype and y.shape == (3, m, n)
-    expected = gptq_gemm_ref(x, qweight, qzeros, scales, bits, group_size, zero_offset, perm)
+    x = randn(m, k, dtype=dtype, seed=seed + 2)
+    bias = randn(n, dtype=dtype, seed=seed + 3) if has_bias else None
+    y = gptq_gemm(x, qweight, qzeros, scales, bits, group_size, zero_offset, perm, bias, config=_config(kind, split))
+    assert y.dtype == dtype and y.shape == (m, n)
+    expected = gptq_gemm_ref(x, qweight, qzeros, scales, bits, group_size, zero_offset, perm, bias)
     assert_close(y, expected, dtype, scale=TOL_SCALE)
 
 
-def test_gptq_gemm_permutation_selects_input_features():
+@pytest.mark.parametrize("kind", ["gemv", "dot"])
+def test_group_narrower_than_a_word(kind):
+    # 4-bit group of 4 rows: half a word per group, so scales change inside a packed word.
+    k, n, bits, gs = 32, 16, 4, 4
+    qweight, qzeros, scales = _weights(k, n, bits, gs, seed=3)
+    x = randn(2, k, dtype=torch.float32, seed=4)
+    y = gptq_gemm(x, qweight, qzeros, scales, bits, gs, 0, config=_config(kind, 2))
+    assert_close(y, gptq_gemm_ref(x, qweight, qzeros, scales, bits, gs, 0), torch.float32)
+
+
+def test_leading_dims_flatten_into_rows():
+    qweight, qzeros, scales = _weights(64, 24, 4, 32, seed=5)
+    x = randn(2, 3, 64, dtype=torch.float16, seed=6)
+    y = gptq_gemm(x, qweight, qzeros, scales, 4, 32)
+    assert y.shape == (2, 3, 24)
+    assert_close(y, gptq_gemm_ref(x, qweight, qzeros, scales, 4, 32), torch.float16, scale=TOL_SCALE)
+
+
+@pytest.mark.parametrize("kind", ["gemv", "dot"])
+def test_split_k_is_deterministic_and_leaves_its_counters_zeroed(kind):
+    # The last program of a tile adds the partials in split order, whatever order the programs finished in, and
+    # resets the tile's arrival counter for the next launch.
+    qweight, qzeros, scales = _weights(256, 40, 4, 32, seed=11)
+    x = randn(2, 256, dtype=torch.float32, seed=12)
+    first = gptq_gemm(x, qweight, qzeros, scales, 4, 32, config=_config(kind, 4))
+    again = gptq_gemm(x, qweight, qzeros, scales, 4, 32, config=_config(kind, 4))
+    assert torch.equal(first, again)
+    assert all(int(locks.abs().sum()) == 0 for locks in _LOCKS.values())
+    unsplit = gptq_gemm(x, qweight, qzeros, scales, 4, 32, config=_config(kind, 1))
+    assert_close(first, unsplit, torch.float32)
+
+
+def test_permutation_selects_input_features():
     # One nonzero weight row: row i of the packed weight multiplies x[:, perm[i]].
     k, n, bits = 32, 16, 4
     ints = torch.zeros(k, n, dtype=torch.int64)
@@ -100,66 +139,73 @@ def test_gptq_gemm_permutation_selects_input_features():
     perm = torch.arange(k, dtype=torch.int32).roll(-5).to(DEVICE)  # row 0 <- feature 5
     x = torch.zeros(1, k, dtype=torch.float32, device=DEVICE)
     x[0, 5] = 2.0
-    y = gptq_gemm(x, qweight, qzeros, scales, bits, -1, zero_offset=0, perm=perm)
-    assert y.cpu().eq(6.0).all()
+    for kind in ("gemv", "dot"):
+        y = gptq_gemm(x, qweight, qzeros, scales, bits, -1, zero_offset=0, perm=perm, config=_config(kind, 1))
+        assert y.cpu().eq(6.0).all(), kind
 
 
 def test_launch_heuristics():
     h200 = 132  # SMs
-    small = quant_gemm_config(1, 4096, 4096, 128, sms=h200)
-    tiles = 4096 // small.block_n
-    assert small.block_m == 16 and 128 % small.block_k == 0
-    assert small.split_k > 1 and tiles * small.split_k >= h200  # a batch of one still fills the GPU
-    large = quant_gemm_config(2048, 4096, 4096, 128, sms=h200)
-    assert large.split_k == 1 and large.block_m >= 64
-    for group in (32, 64, 128):  # one K tile never spans two groups
-        assert group % quant_gemm_config(1, 4096, 4096, group, sms=h200).block_k == 0
+    for n, k in ((4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336)):
+        decode = quant_gemm_config(1, n, k, sms=h200)
+        assert decode.gemv and decode.block_m == 1
+        # A batch of one still puts several programs on every SM.
+        assert -(-n // decode.block_n) * decode.split_k >= 2 * h200
+        small = quant_gemm_config(16, n, k, sms=h200)
+        assert not small.gemv and small.block_m == 16
+        assert -(-n // small.block_n) * small.split_k >= h200
+        large = quant_gemm_config(2048, n, k, sms=h200)
+        assert large.split_k == 1 and large.block_m >= 64 and not large.gemv
+
+
+def test_every_candidate_and_table_row_is_a_valid_launch():
+    for bits in (2, 4, 8):
+        for low, high in M_BUCKETS:
+            for m in {low, min(high, 4096)}:
+                for cfg in sweep_candidates(m):
+                    check_config(QuantGemmConfig(**{**_fields(cfg), "split_k": 1}), bits)
+                check_config(quant_gemm_config(m, 4096, 4096, bits, sms=132), bits)
+        for rule in HOPPER_TABLE:
+            check_config(rule.config, bits)
+
+
+def _fields(cfg):
+    return {f: getattr(cfg, f) for f in cfg.__dataclass_fields__}
+
+
+@pytest.mark.parametrize(
+    ("cfg", "message"),
+    [
+        (QuantGemmConfig(2, 32, 32, 1, 4, 2, gemv=True), "block_m 1"),
+        (QuantGemmConfig(8, 32, 32, 1, 4, 2), ">= 16"),
+        (QuantGemmConfig(16, 48, 32, 1, 4, 2), "powers of two"),
+        (QuantGemmConfig(16, 32, 32, 0, 4, 2), "split_k"),
+    ],
+)
+def test_bad_configs_are_refused(cfg, message):
+    with pytest.raises(ValueError, match=message):
+        check_config(cfg, 4)
+
+
+def _call(x, qweight, qzeros, bits, **kwargs):
+    scales = torch.zeros(qzeros.shape[0], qweight.shape[1], dtype=torch.float16, device=DEVICE)
+    return lambda: gptq_gemm(x, qweight, qzeros, scales, bits, -1, **kwargs)
+
+
+def _z(shape, dtype=torch.int32):
+    return torch.zeros(shape, dtype=dtype, device=DEVICE)
 
 
 @pytest.mark.parametrize(
     ("call", "message"),
     [
-        (lambda z: awq_gemm(z((2, 32), torch.float16), z((32, 1)), z((1, 1)), z((1, 8), torch.float16), -1), "int32"),
-        (
-            lambda z: awq_gemm(
-                z((2, 32), torch.float16), z((32, 2), torch.int32), z((1, 1), torch.int32), z((1, 8), torch.float16), -1
-            ),
-            "shapes",
-        ),
-        (
-            lambda z: awq_gemm(
-                z((2, 32), torch.int32), z((32, 1), torch.int32), z((1, 1), torch.int32), z((1, 8), torch.float16), -1
-            ),
-            "activations",
-        ),
-        (
-            lambda z: gptq_gemm(
-                z((2, 32), torch.float16),
-                z((12, 8), torch.int32),
-                z((1, 3), torch.int32),
-                z((1, 8), torch.float16),
-                3,
-                -1,
-            ),
-            "dequantize",
-        ),
-        (
-            lambda z: gptq_gemm(
-                z((2, 32), torch.float16),
-                z((4, 8), torch.int32),
-                z((1, 1), torch.int32),
-                z((1, 8), torch.float16),
-                4,
-                -1,
-                perm=z((31,), torch.int32),
-            ),
-            "perm",
-        ),
+        (_call(_z((2, 32), torch.float16), _z((4, 8), torch.int64), _z((1, 1)), 4), "int32"),
+        (_call(_z((2, 32), torch.float16), _z((4, 8)), _z((1, 2)), 4), "shapes"),
+        (_call(_z((2, 32), torch.int32), _z((4, 8)), _z((1, 1)), 4), "activations"),
+        (_call(_z((2, 32), torch.float16), _z((12, 8)), _z((1, 3)), 3), "dequantize"),
+        (_call(_z((2, 32), torch.float16), _z((4, 8)), _z((1, 1)), 4, perm=_z((31,))), "perm"),
     ],
 )
 def test_gemm_rejects_bad_inputs(call, message):
-    def z(shape, dtype=torch.int64):
-        return torch.zeros(shape, dtype=dtype, device=DEVICE)
-
     with pytest.raises(ValueError, match=message):
-        call(z)
+        call()

@@ -52,6 +52,7 @@ def test_awq_fused_layer(seed, dtype, group_size, has_bias):
     layer = _linear(AwqConfig(group_size=group_size), k, sizes, dtype, has_bias)
     bias = randn(sum(sizes), dtype=dtype, seed=seed + 1) if has_bias else None
     _load(layer, [{"qweight": t.qweight, "qzeros": t.qzeros, "scales": t.scales} for t in packed], bias)
+    assert layer.qweight.shape == (k // 8, sum(sizes))  # repacked at load into GPTQ's layout
     weight_t = torch.cat([dequantize_awq(t.qweight, t.qzeros, t.scales, group_size) for t in packed], dim=1)
     _check(layer, weight_t, bias, dtype, seed + 2)
 

@@ -14,6 +14,7 @@ from tritonllm.quant.pack import (
     pack_awq_int,
     pack_bits,
     pack_gptq,
+    repack_awq_as_gptq,
     unpack_awq,
     unpack_awq_int,
     unpack_bits,
@@ -59,6 +60,37 @@ def test_gptq_3bit_values_cross_word_boundaries():
     assert words[1] == (0b1 | (0b1 << 31))
     assert words[2] == 0b01
     assert unpack_bits(pack_bits(values, 3, dim=0), 3, dim=0)[:, 0].tolist() == values[:, 0].tolist()
+
+
+def test_awq_repack_hand_packed():
+    # AWQ row k holds columns 0..7 = k + 1 .. k + 8 in one interleaved word. After the repack, GPTQ's word (0, j)
+    # holds rows 0..7 of column j at nibbles 0..7: value k + j + 1 at bits 4k.
+    rows = [[k + j + 1 for j in range(8)] for k in range(8)]
+    awq_words = [sum(row[[0, 2, 4, 6, 1, 3, 5, 7][i]] << (4 * i) for i in range(8)) for row in rows]
+    assert awq_words[0] == 0x86427531
+    qweight = torch.tensor([[w - 2**32 if w >= 2**31 else w] for w in awq_words], dtype=torch.int32)
+    qzeros = torch.tensor([[0x86427531 - 2**32]], dtype=torch.int32)  # columns 0..7 hold zeros 1..8
+    gq, gz = repack_awq_as_gptq(qweight, qzeros)
+    assert gq.shape == (1, 8) and gz.shape == (1, 1) and gq.dtype == gz.dtype == torch.int32
+    assert [as_unsigned(int(w)) for w in gq[0]] == [sum((k + j + 1) << (4 * k) for k in range(8)) for j in range(8)]
+    assert as_unsigned(int(gz)) == 0x87654321  # column j's zero j + 1 at nibble j
+
+
+@given(
+    seed=seeds(),
+    k_words=st.sampled_from([1, 5, 17]),
+    n_words=st.sampled_from([1, 5, 17]),
+    chunk_bytes=st.sampled_from([1, 4096, 2**28]),
+)
+def test_awq_repack_round_trip(seed, k_words, n_words, chunk_bytes):
+    # The same 4-bit values and zeros, read through GPTQ's unpacking; any chunking of the columns.
+    g = torch.Generator().manual_seed(seed)
+    ints = torch.randint(0, 16, (8 * k_words, 8 * n_words), generator=g)
+    zeros = torch.randint(0, 16, (3, 8 * n_words), generator=g)
+    qweight, qzeros = repack_awq_as_gptq(pack_awq_int(ints), pack_awq_int(zeros), chunk_bytes=chunk_bytes)
+    assert qweight.shape == (k_words, 8 * n_words) and qzeros.shape == (3, n_words)
+    got_ints, got_zeros = unpack_gptq(qweight, qzeros, 4, "gptq_v2")  # v2: zeros read as stored, as AWQ's
+    assert torch.equal(got_ints, ints.to(torch.int32)) and torch.equal(got_zeros, zeros.to(torch.int32))
 
 
 @given(seed=seeds(), bits=st.sampled_from([2, 3, 4, 8]), runs=st.sampled_from([1, 3, 5]), dim=st.sampled_from([0, 1]))

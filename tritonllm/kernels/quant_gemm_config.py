@@ -1,7 +1,18 @@
-"""Launch heuristics of the fused quantized GEMM (tritonllm/kernels/quant_gemm.py), all in one place."""
+"""Launch heuristics of the fused W4A16 GEMM (tritonllm/kernels/quant_gemm.py), all in one place.
+
+Two kernels, picked per call from M:
+  * GEMV (`gemv=True`, decode): one activation row per program, the packed weights streamed through CUDA-core
+    FMAs. Memory bound: what matters is enough programs in flight to keep DRAM busy, hence split-K.
+  * GEMM (`gemv=False`): tl.dot over dequantized tiles, BLOCK_M >= 16 (the MMA height); small M splits K as
+    well, large M runs unsplit with wgmma-sized tiles.
+
+`quant_gemm_config` reads the Hopper table `HOPPER_TABLE` first (rows keyed by M bucket and N / K ranges, filled
+from `python benchmarks/quant_gemm.py --sweep`, which times `sweep_candidates` on the GPU and prints rows in the
+table's own syntax), then falls back to `generic_config`. Every decision reads Python ints only.
+"""
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -11,12 +22,43 @@ from tritonllm.platform import INTERPRET
 
 @dataclass(slots=True, frozen=True)
 class QuantGemmConfig:
-    block_m: int
+    block_m: int  # rows per program; 1 for the GEMV kernel
     block_n: int
-    block_k: int
-    split_k: int
+    block_k: int  # K rows per tile (a multiple of 32 // bits: whole packed words)
+    split_k: int  # programs along K (their fp32 partial sums are added by the last one to finish)
     num_warps: int
     num_stages: int
+    gemv: bool = False  # CUDA-core GEMV kernel instead of the tl.dot one
+
+
+@dataclass(slots=True, frozen=True)
+class LaunchRule:
+    """A row of the table: M, N and K each within an inclusive [low, high] range."""
+
+    m: tuple[int, int]
+    n: tuple[int, int]
+    k: tuple[int, int]
+    config: QuantGemmConfig
+
+    def matches(self, m: int, n: int, k: int) -> bool:
+        return self.m[0] <= m <= self.m[1] and self.n[0] <= n <= self.n[1] and self.k[0] <= k <= self.k[1]
+
+
+# M buckets the table and the sweep use: decode (1), small batches, then GEMM sizes. Inclusive upper bounds.
+M_BUCKETS: tuple[tuple[int, int], ...] = ((1, 1), (2, 4), (5, 16), (17, 64), (65, 256), (257, 2**31 - 1))
+# The fallback's GEMV limit: per weight the GEMV kernel issues about 5 instructions per row (sm_90 SASS), the
+# 16-row tl.dot kernel about 8 for all its rows, so from two rows on the dot kernel does less work.
+GEMV_MAX_M = 1
+
+# Hopper (H200, 132 SMs) rows for fp16/bf16 at group size 128, Llama-3.1-8B projection shapes. Empty until a
+# sweep fills it; the generic heuristics below then decide. TODO(bench): paste the rows `--sweep` prints.
+HOPPER_TABLE: tuple[LaunchRule, ...] = ()
+
+# Split-K: programs the grid should reach per SM (several, to keep enough loads in flight on a memory-bound
+# launch), and K tiles each split walks at least.
+_PROGRAMS_PER_SM = 4
+_MIN_TILES_PER_SPLIT = 2
+_MAX_SPLIT_K = 64
 
 
 @functools.lru_cache(maxsize=8)
@@ -27,28 +69,83 @@ def num_sms(device_index: int = 0) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def quant_gemm_config(m: int, n: int, k: int, group_size: int, sms: int | None = None) -> QuantGemmConfig:
-    """Every launch heuristic of the fused GEMM in one place (`sms`: the GPU's SM count, default the current one).
+def auto_split_k(m_tiles: int, n_tiles: int, k: int, block_k: int, sms: int) -> int:
+    """Splits along K so the grid reaches _PROGRAMS_PER_SM programs per SM, each walking >= 2 K tiles."""
+    tiles = m_tiles * n_tiles
+    k_tiles = triton.cdiv(k, block_k)
+    wanted = triton.cdiv(_PROGRAMS_PER_SM * sms, tiles)
+    return max(1, min(wanted, k_tiles // _MIN_TILES_PER_SPLIT, _MAX_SPLIT_K))
 
-    BLOCK_K divides the group size when it can, so a K tile reads one row of scales and zeros. Small M (decode)
-    splits K until the grid covers the SMs about twice: the kernel is bound by reading the packed weight, and a
-    batch of one has only cdiv(N, BLOCK_N) tiles otherwise. Large M runs unsplit with wide tiles.
-    """
+
+def generic_config(m: int, n: int, k: int, sms: int) -> QuantGemmConfig:
+    """The fallback: GEMV for a few rows, a 16-row MMA tile up to 16, wgmma-sized tiles beyond."""
+    if m <= GEMV_MAX_M:
+        block_m, block_n, block_k, warps, stages, gemv = 1, 128, 128, 4, 2, True
+    elif m <= 16:
+        block_m, block_n, block_k, warps, stages, gemv = 16, 64, 128, 4, 3, False
+    elif m <= 32:
+        block_m, block_n, block_k, warps, stages, gemv = 32, 128, 64, 4, 3, False
+    else:  # 64-row tiles and larger take 8 warps (two warpgroups): 4 spill registers at BLOCK_N 128
+        block_m, block_n, block_k, warps, stages, gemv = (64 if m <= 128 else 128), 128, 64, 8, 3, False
+    m_tiles = m if gemv else triton.cdiv(m, block_m)
+    split = auto_split_k(m_tiles, triton.cdiv(n, block_n), k, block_k, sms) if m <= 128 else 1
+    return QuantGemmConfig(block_m, block_n, block_k, split, warps, stages, gemv)
+
+
+def check_config(cfg: QuantGemmConfig, bits: int) -> None:
+    """Refuse a config the kernels cannot run (a wrong explicit config, or a bad table row)."""
+    pack = 32 // bits
+    sizes = (cfg.block_m, cfg.block_n, cfg.block_k)
+    if any(s <= 0 or s & (s - 1) for s in sizes):
+        raise ValueError(f"block sizes must be powers of two, got {sizes}")
+    if cfg.block_k % pack:
+        raise ValueError(f"block_k {cfg.block_k} must hold whole words of {pack} {bits}-bit values")
+    if cfg.gemv and cfg.block_m != 1:
+        raise ValueError(f"the GEMV kernel takes block_m 1 (one row per program), got {cfg.block_m}")
+    if not cfg.gemv and min(sizes) < 16:
+        raise ValueError(f"tl.dot needs block_m, block_n, block_k >= 16, got {sizes}")
+    if cfg.split_k < 1:
+        raise ValueError(f"split_k must be >= 1, got {cfg.split_k}")
+
+
+def quant_gemm_config(m: int, n: int, k: int, bits: int = 4, sms: int | None = None) -> QuantGemmConfig:
+    """The launch for y[m, n] = x[m, k] @ W (`sms`: the GPU's SM count, default the current one's)."""
     sms = sms or num_sms()
-    group = k if group_size == -1 else group_size
-    block_k = next((b for b in (128, 64, 32, 16) if group % b == 0 or group >= k), 32)
+    pack = 32 // bits
+    rule = None if INTERPRET else next((r for r in HOPPER_TABLE if r.matches(m, n, k)), None)
+    cfg = rule.config if rule is not None else generic_config(m, n, k, sms)
+    if cfg.block_k < pack:  # 2-bit words hold 16 rows
+        cfg = replace(cfg, block_k=pack)
+    return cfg
+
+
+def sweep_candidates(m: int) -> list[QuantGemmConfig]:
+    """Tile configs worth timing for M rows on Hopper (split_k 0: `sweep_splits` supplies the splits)."""
+    out: list[QuantGemmConfig] = []
+    if m <= 8:
+        for block_n in (64, 128, 256):
+            for block_k in (64, 128, 256):
+                for warps in (4, 8):
+                    if block_n * block_k < 8192 * warps:  # < 32 words per thread (more spills registers)
+                        out.append(QuantGemmConfig(1, block_n, block_k, 0, warps, 2, gemv=True))
     if m <= 16:
-        block_m, block_n = 16, 64
-        num_warps, num_stages = 4, 4
-    elif m <= 64:
-        block_m, block_n, block_k = (32 if m <= 32 else 64), 64, min(block_k, 64)
-        num_warps, num_stages = 4, 4
-    else:
-        block_m, block_n, block_k = (64 if m <= 128 else 128), 128, min(block_k, 64)
-        num_warps, num_stages = 8, 3
-    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    split_k = 1
-    if m <= 64:
-        # Each split keeps at least 4 K tiles so the fp32 workspace round trip stays small next to the weights.
-        split_k = max(1, min(2 * sms // tiles, triton.cdiv(k, block_k) // 4, 16))
-    return QuantGemmConfig(block_m, block_n, block_k, split_k, num_warps, num_stages)
+        for block_n in (32, 64, 128):
+            for block_k in (64, 128, 256):
+                for stages in (2, 3):
+                    if block_n * block_k <= 8192:  # larger tiles spill registers on sm_90
+                        out.append(QuantGemmConfig(16, block_n, block_k, 0, 4, stages))
+        return out
+    for block_m in (16, 32, 64) if m <= 64 else (64, 128):
+        for block_n in (64, 128, 256):
+            for block_k in (32, 64, 128):
+                warps = 8 if block_m >= 64 else 4  # 64-row tiles: two warpgroups
+                if block_n * block_k <= 16384 and block_m * block_n * block_k <= 2**20:  # no spills on sm_90
+                    out.append(QuantGemmConfig(block_m, block_n, block_k, 0, warps, 3))
+    return out
+
+
+def sweep_splits(m_tiles: int, n_tiles: int, k: int, block_k: int, sms: int) -> list[int]:
+    """split_k values to try for one tile config: 1, the automatic choice, and powers of two up to the K tiles."""
+    k_tiles = triton.cdiv(k, block_k)
+    auto = auto_split_k(m_tiles, n_tiles, k, block_k, sms)
+    return sorted({1, auto, *(s for s in (2, 4, 8, 16, 32) if s <= k_tiles)})

@@ -1,9 +1,11 @@
 """AWQ (AutoAWQ `version: gemm`, 4-bit, zero point): settings and the linear method over the fused W4A16 GEMM.
 
-The kernel reads AWQ's own layout, so loading is a copy per shard and nothing is repacked:
+Checkpoint shards load as they are stored:
     qweight [K, N // 8] int32 · qzeros [K // g, N // 8] int32 · scales [K // g, N] fp16
 Fused layers concatenate shards along N; every tensor is packed along N in whole words of 8 columns, so shard i
-fills columns (or words) starting where shard i - 1 ended.
+fills columns (or words) starting where shard i - 1 ended. After loading, qweight and qzeros are repacked once,
+on the device, into GPTQ's layout (qweight [K // 8, N] packed along K, zeros in column order, no +1 offset), so
+AWQ runs through the same fused kernel as GPTQ.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from tritonllm.kernels.quant_gemm import awq_gemm
+from tritonllm.kernels.quant_gemm import gptq_gemm
 from tritonllm.quant.base import LinearMethod, QuantConfig, set_shard_axes
 from tritonllm.quant.common import (
     DEFAULT_PACKED_MODULES,
@@ -32,6 +34,7 @@ from tritonllm.quant.common import (
 from tritonllm.quant.common import (
     field as setting,
 )
+from tritonllm.quant.pack import repack_awq_as_gptq
 
 AWQ_VERSIONS = ("gemm",)
 
@@ -111,5 +114,17 @@ class AwqLinearMethod(LinearMethod):
             layer.register_parameter(name, param)
         layer.awq_group_size = g
 
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if getattr(layer, "awq_layout", None) == "gptq":
+            return
+        with torch.no_grad():
+            qweight, qzeros = repack_awq_as_gptq(layer.qweight.data, layer.qzeros.data)
+            layer.qweight.data = qweight  # [K // 8, N]
+            layer.qzeros.data.copy_(qzeros)  # same shape, column order
+        layer.awq_layout = "gptq"
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return awq_gemm(x, layer.qweight, layer.qzeros, layer.scales, layer.awq_group_size, bias)
+        if getattr(layer, "awq_layout", None) != "gptq":
+            raise RuntimeError("AWQ layer used before process_weights_after_loading")
+        # AWQ zeros are the zeros themselves: zero offset 0.
+        return gptq_gemm(x, layer.qweight, layer.qzeros, layer.scales, 4, layer.awq_group_size, 0, None, bias)

@@ -120,6 +120,25 @@ def unpack_awq_int(words: torch.Tensor) -> torch.Tensor:
     return nibbles.reshape(rows, n // 8, 8)[:, :, list(AWQ_UNPACK_ORDER)].reshape(rows, n).contiguous()
 
 
+def repack_awq_as_gptq(
+    qweight: torch.Tensor, qzeros: torch.Tensor, chunk_bytes: int = 2**28
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """AWQ qweight [K, N // 8], qzeros [G, N // 8] -> the same 4-bit values in GPTQ's layout, on their device.
+
+    qweight becomes [K // 8, N] packed along K, qzeros [G, N // 8] packed along N in column order; the zeros stay
+    the true zeros (read them with zero offset 0, GPTQ v2's convention). Columns are converted in chunks so the
+    int64 values of one chunk stay under about `chunk_bytes`.
+    """
+    k, words = qweight.shape
+    if k % 8:
+        raise ValueError(f"AWQ input size {k} must be a multiple of 8 to pack along K")
+    step = max(1, chunk_bytes // (8 * 8 * k))  # AWQ words per chunk: 8 int64 values of K rows each
+    out = torch.empty(k // 8, words * 8, dtype=torch.int32, device=qweight.device)
+    for c in range(0, words, step):
+        out[:, 8 * c : 8 * (c + step)] = pack_bits(unpack_awq_int(qweight[:, c : c + step]), 4, dim=0)
+    return out, pack_bits(unpack_awq_int(qzeros), 4, dim=1)
+
+
 def _group_min_max(weight: torch.Tensor, g_idx: torch.Tensor, num_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per (output row, group) min and max of weight [N, K] -> two [N, G] tensors."""
     n = weight.shape[0]

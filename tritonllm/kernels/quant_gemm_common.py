@@ -1,0 +1,119 @@
+"""Device code shared by the fused quantized GEMM kernels (quant_gemm.py, quant_gemv.py): dequantization pieces
+and the output stage (bias, cast, split-K reduction).
+
+Dequantization without int->float conversions (a quarter-rate instruction on Hopper): an integer i < 2^23 OR-ed
+into the mantissa of 2^23 (bits 0x4B000000) reads as the fp32 2^23 + i exactly, so (2^23 + q) - (2^23 + z) is
+q - z exactly, and one multiply by s matches the reference's (q - z) * s bit for bit.
+
+Split-K without a second launch: each of a tile's SPLIT_K programs stores its fp32 partial sums to a workspace
+[SPLIT_K, M, N], then increments the tile's arrival counter (acq_rel, GPU scope, after a CTA barrier so every
+thread's stores precede it). The program that sees the count SPLIT_K - 1 arrived last: it reads all partials
+(.cg: from L2, past the SM's non-coherent L1), adds them in split order, so the sum does not depend on the order
+programs finished in, adds the bias, writes y and sets the counter back to 0. Counters are left zeroed after
+every launch, so one buffer per device is allocated once and reused; a buffer that grows keeps the old one
+alive, since CUDA graphs captured earlier still point at it. Two split-K launches must not run concurrently on
+different streams of one device (they would share counters).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+_LOCKS: dict[torch.device, torch.Tensor] = {}
+_RETIRED: list[torch.Tensor] = []  # outgrown counter buffers that captured graphs may still use
+
+
+@triton.jit
+def group_params(
+    qzeros_ptr,
+    scales_ptr,
+    group,
+    mask,
+    offs_n,
+    stride_qz_g,
+    stride_qz_n,
+    stride_s_g,
+    stride_s_n,
+    BITS: tl.constexpr,
+    ZERO_OFFSET: tl.constexpr,
+):
+    """(z, s): the zero as int32 (zero offset included) and the scale as fp32, for columns `offs_n` of groups
+    `group`, a scalar (-> [BLOCK_N]) or [R, 1] (-> [R, BLOCK_N]); `mask` has the result's shape."""
+    PACK: tl.constexpr = 32 // BITS
+    offs_n64 = offs_n.to(tl.int64)
+    zwords = tl.load(qzeros_ptr + group * stride_qz_g + (offs_n64 // PACK) * stride_qz_n, mask=mask, other=0)
+    z = ((zwords >> ((offs_n % PACK) * BITS)) & ((1 << BITS) - 1)) + ZERO_OFFSET
+    s = tl.load(scales_ptr + group * stride_s_g + offs_n64 * stride_s_n, mask=mask, other=0.0)
+    return z, s.to(tl.float32)
+
+
+@triton.jit
+def magic(i):
+    """2^23 + i as fp32, exactly, for int32 0 <= i < 2^23 (0x4B000000 is 2^23's bit pattern)."""
+    return (i | 0x4B000000).to(tl.float32, bitcast=True)
+
+
+def split_k_locks(device: torch.device, count: int) -> torch.Tensor:
+    """A zeroed int32 buffer of at least `count` arrival counters on `device`, kept for reuse."""
+    locks = _LOCKS.get(device)
+    if locks is not None and locks.numel() >= count:
+        return locks
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "the split-K quantized GEMM needs its counter buffer allocated before CUDA graph capture: run the "
+            "model once eagerly at the captured batch sizes first (the graph runner's warm-up does)"
+        )
+    if locks is not None:
+        _RETIRED.append(locks)
+    locks = torch.zeros(max(4096, triton.next_power_of_2(count)), dtype=torch.int32, device=device)
+    _LOCKS[device] = locks
+    return locks
+
+
+@triton.jit
+def _write(acc, offs_m, offs_n, mask, N, bias_ptr, out_ptr, stride_out_m, stride_out_n, HAS_BIAS: tl.constexpr):
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_out_m + offs_n.to(tl.int64)[None, :] * stride_out_n
+    tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def store_output(
+    acc,
+    offs_m,
+    offs_n,
+    tile,
+    pid_s,
+    M,
+    N,
+    split_k,
+    stride_p_s,
+    bias_ptr,
+    out_ptr,
+    partial_ptr,
+    lock_ptr,
+    stride_out_m,
+    stride_out_n,
+    HAS_BIAS: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
+    """y[offs_m, offs_n] = acc (+ bias), or, when SPLIT, this program's share of the split-K reduction above."""
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    if SPLIT:
+        # partial [split_k, M, N] fp32, contiguous (stride_p_s = M * N < 2^31: the launch keeps bigger outputs
+        # unsplit), so element offsets within a split fit int32 and only the split's base pointer is 64-bit.
+        offs = offs_m[:, None] * N + offs_n[None, :]
+        tl.store(partial_ptr + pid_s.to(tl.int64) * stride_p_s + offs, acc, mask=mask)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == split_k - 1:
+            total = tl.zeros_like(acc)
+            slab = partial_ptr
+            for _ in range(0, split_k):
+                total += tl.load(slab + offs, mask=mask, other=0.0, cache_modifier=".cg")
+                slab += stride_p_s
+            _write(total, offs_m, offs_n, mask, N, bias_ptr, out_ptr, stride_out_m, stride_out_n, HAS_BIAS)
+            tl.atomic_xchg(lock_ptr + tile, 0, sem="relaxed", scope="gpu")
+    else:
+        _write(acc, offs_m, offs_n, mask, N, bias_ptr, out_ptr, stride_out_m, stride_out_n, HAS_BIAS)
