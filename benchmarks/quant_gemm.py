@@ -1,74 +1,223 @@
-"""GPU benchmark of the quantized GEMM against the dense matmul and against dequantize + matmul (not run by CI).
+"""GPU benchmark of the fused W4A16 GEMM against the dense matmul and dequantize + matmul (not run by CI).
 
-    python benchmarks/quant_gemm.py [--dtype float16] [--group-size 128]
+    python benchmarks/quant_gemm.py [--dtype float16] [--group-size 128] [--out results/]
+    python benchmarks/quant_gemm.py --sweep [--sweep-ms 1,4,16,64,128,512,2048]   # launch configs for the table
 
-Shapes are Llama-3-8B's projections (K, N); M runs from decode (1) to prefill. Prints microseconds per call,
-the packed-weight bandwidth (GB/s, what bounds decode) and TFLOP/s (what bounds prefill).
+Shapes are Llama-3.1-8B's projections (K, N); M runs from decode (1) to prefill. The default run prints, per
+shape and M, microseconds per call of the dense matmul (cuBLAS), the W4A16 GEMM (GPTQ layout with regular groups:
+what GPTQ and repacked AWQ checkpoints run), GPTQ act-order, and dequantize + matmul; dense / W4A16 (the targets:
+>= 3x at M <= 16, >= 1x at M = 128), the packed-weight bandwidth and TFLOP/s; and the one-time AWQ repack per
+shape. `--sweep` times every candidate launch of `sweep_candidates` (stage 1 with the automatic split-K, stage 2
+the three best with each split of `sweep_splits`), checks each result against the default launch's, and prints the
+best per (M, shape) plus `HOPPER_TABLE` rows to paste into tritonllm/kernels/quant_gemm_config.py.
 """
 
+from __future__ import annotations
+
 import argparse
+import dataclasses
+import sys
+import time
+from pathlib import Path
 
 import torch
-import triton
 
-from tritonllm.kernels.quant_dequant import gptq_dequantize
-from tritonllm.kernels.quant_gemm import awq_gemm, gptq_gemm
-from tritonllm.quant.pack import pack_awq_int, pack_bits
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_utils import bench_device, environment, log, markdown_table, sync, time_ms, write_results  # noqa: E402
 
-SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
-BATCHES = (1, 8, 32, 128, 512, 2048)
+from tritonllm.kernels.quant_dequant import gptq_dequantize  # noqa: E402
+from tritonllm.kernels.quant_gemm import gptq_gemm  # noqa: E402
+from tritonllm.kernels.quant_gemm_config import (  # noqa: E402
+    M_BUCKETS,
+    QuantGemmConfig,
+    auto_split_k,
+    num_sms,
+    quant_gemm_config,
+    sweep_candidates,
+    sweep_splits,
+)
+from tritonllm.quant.pack import pack_awq_int, pack_bits, repack_awq_as_gptq  # noqa: E402
+
+SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}  # (K, N)
+BATCHES = (1, 4, 16, 32, 128, 512, 2048)
+SWEEP_MS = (1, 4, 16, 64, 128, 512, 2048)
+# --preset tiny: a toy size that runs anywhere (the CPU interpreter too), to check the script itself.
+TINY_SHAPES = {"tiny": (256, 64)}
+TINY_BATCHES = (1, 17)
 
 
 def _tensors(k: int, n: int, group_size: int, device: str):
+    """GPTQ-layout 4-bit weights (zero offset 0, as repacked AWQ) and the matching AWQ tensors."""
     groups = k // group_size
     ints = torch.randint(0, 16, (k, n), device=device)
     zeros = torch.randint(0, 16, (groups, n), device=device)
     scales = (torch.rand(groups, n, device=device) * 0.01).to(torch.float16)
-    awq = (pack_awq_int(ints), pack_awq_int(zeros), scales)
     gptq = (pack_bits(ints, 4, dim=0), pack_bits(zeros, 4, dim=1), scales)
-    return awq, gptq
+    awq = (pack_awq_int(ints), pack_awq_int(zeros))
+    return gptq, awq
 
 
-def _bench(x, dense, awq, gptq, perm, g, dtype) -> list[float]:
-    """Milliseconds per call: dense matmul, AWQ, GPTQ, GPTQ act-order, GPTQ dequantize + matmul."""
-    (aq, az, as_), (gq, gz, gs) = awq, gptq
-    calls = (
-        lambda: x @ dense,
-        lambda: awq_gemm(x, aq, az, as_, g),
-        lambda: gptq_gemm(x, gq, gz, gs, 4, g, 1),
-        lambda: gptq_gemm(x, gq, gz, gs, 4, g, 1, perm),
-        lambda: x @ gptq_dequantize(gq, gz, gs, None, 4, g, 1, dtype=dtype),
-    )
-    return [triton.testing.do_bench(fn) for fn in calls]
+def _calls(x, dense, packed, perm, g):
+    qw, qz, s = packed
+    return {
+        "dense": lambda: x @ dense,
+        "w4a16": lambda: gptq_gemm(x, qw, qz, s, 4, g, 0),
+        "act_order": lambda: gptq_gemm(x, qw, qz, s, 4, g, 0, perm),
+        "deq_mm": lambda: x @ gptq_dequantize(qw, qz, s, None, 4, g, 0, dtype=x.dtype),
+    }
+
+
+def run_default(shapes, batches, dtype: torch.dtype, g: int, sms: int, device: torch.device) -> dict:
+    rows, results = [], []
+
+    def _ms(fn) -> float:
+        return time_ms(fn, device)
+
+    for name, (k, n) in shapes.items():
+        (qw, qz, s), (aq, az) = _tensors(k, n, g, device)
+        sync(device)
+        start = time.perf_counter()
+        repacked = repack_awq_as_gptq(aq, az)
+        sync(device)
+        repack_ms = (time.perf_counter() - start) * 1e3
+        assert torch.equal(repacked[0], qw) and torch.equal(repacked[1], qz)
+        del aq, az, repacked
+        dense = torch.randn(k, n, device=device, dtype=dtype)
+        perm = torch.randperm(k, device=device).to(torch.int32)
+        packed_bytes = qw.numel() * 4 + qz.numel() * 4 + s.numel() * 2
+        for m in batches:
+            x = torch.randn(m, k, device=device, dtype=dtype)
+            cfg = quant_gemm_config(m, n, k, 4, sms)
+            us = {key: _ms(fn) * 1e3 for key, fn in _calls(x, dense, (qw, qz, s), perm, g).items()}
+            r = {
+                "shape": name,
+                "m": m,
+                **{f"{key}_us": v for key, v in us.items()},
+                "dense_over_w4a16": us["dense"] / us["w4a16"],
+                "w4a16_gbs": packed_bytes / (us["w4a16"] * 1e-6) / 1e9,
+                "w4a16_tflops": 2 * m * k * n / (us["w4a16"] * 1e-6) / 1e12,
+                "config": dataclasses.asdict(cfg),
+                "awq_repack_ms": repack_ms,
+            }
+            results.append(r)
+            rows.append(
+                [name, m, us["dense"], us["w4a16"], us["act_order"], us["deq_mm"], r["dense_over_w4a16"],
+                 r["w4a16_gbs"], r["w4a16_tflops"], _describe(cfg)]
+            )  # fmt: skip
+            log(f"{name:>8} M={m:<5} dense {us['dense']:8.1f} us  w4a16 {us['w4a16']:8.1f} us  x{rows[-1][6]:.2f}")
+        log(f"{name}: AWQ repack at load {repack_ms:.1f} ms")
+    headers = ["shape", "M", "dense us", "w4a16 us", "act-order us", "deq+mm us", "dense/w4a16", "GB/s", "TFLOP/s"]
+    md = markdown_table(headers + ["launch"], rows)
+    return {"results": results, "markdown": md}
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _describe(cfg: QuantGemmConfig) -> str:
+    kind = "gemv" if cfg.gemv else f"dot m{cfg.block_m}"
+    return f"{kind} n{cfg.block_n} k{cfg.block_k} s{cfg.split_k} w{cfg.num_warps} st{cfg.num_stages}"
+
+
+def _with_split(cfg: QuantGemmConfig, m: int, n: int, k: int, sms: int, split: int | None = None):
+    if split is None:
+        m_tiles = m if cfg.gemv else _cdiv(m, cfg.block_m)
+        split = auto_split_k(m_tiles, _cdiv(n, cfg.block_n), k, cfg.block_k, sms)
+    return dataclasses.replace(cfg, split_k=split)
+
+
+def _time_config(x, qw, qz, s, g, cfg, expected) -> float | None:
+    """Milliseconds per call, or None when the launch fails or disagrees with the default launch's result."""
+    try:
+        y = gptq_gemm(x, qw, qz, s, 4, g, 0, config=cfg)
+        if not torch.allclose(y.float(), expected, atol=3e-2, rtol=3e-2):
+            log(f"  {_describe(cfg)}: WRONG RESULT (max err {(y.float() - expected).abs().max().item():.3g})")
+            return None
+        return time_ms(lambda: gptq_gemm(x, qw, qz, s, 4, g, 0, config=cfg), x.device, warmup_ms=5, rep_ms=20)
+    except Exception as e:  # a config that does not compile or launch (shared memory, registers) is skipped
+        log(f"  {_describe(cfg)}: {type(e).__name__}: {str(e)[:100]}")
+        return None
+
+
+def run_sweep(shapes, ms, dtype: torch.dtype, g: int, sms: int, device: torch.device, limit: int = 0) -> dict:
+    best_rows, rules, results = [], [], []
+    for m in ms:
+        bucket = next(b for b in M_BUCKETS if b[0] <= m <= b[1])
+        for name, (k, n) in shapes.items():
+            (qw, qz, s), _ = _tensors(k, n, g, device)
+            x = torch.randn(m, k, device=device, dtype=dtype)
+            expected = gptq_gemm(x, qw, qz, s, 4, g, 0).float()
+            dense = torch.randn(k, n, device=device, dtype=dtype)
+            dense_ms = time_ms(_calls(x, dense, (qw, qz, s), None, g)["dense"], device, warmup_ms=5, rep_ms=20)
+            default = quant_gemm_config(m, n, k, 4, sms)
+            default_ms = _time_config(x, qw, qz, s, g, default, expected)
+            stage1 = []
+            for cand in sweep_candidates(m)[: limit or None]:
+                cfg = _with_split(cand, m, n, k, sms)
+                t = _time_config(x, qw, qz, s, g, cfg, expected)
+                if t is not None:
+                    stage1.append((t, cfg))
+            stage1.sort(key=lambda r: r[0])
+            timed = list(stage1)
+            for _, cfg in stage1[:3]:
+                m_tiles = m if cfg.gemv else _cdiv(m, cfg.block_m)
+                for split in sweep_splits(m_tiles, _cdiv(n, cfg.block_n), k, cfg.block_k, sms):
+                    if split != cfg.split_k:
+                        cand = _with_split(cfg, m, n, k, sms, split)
+                        t = _time_config(x, qw, qz, s, g, cand, expected)
+                        if t is not None:
+                            timed.append((t, cand))
+            timed.sort(key=lambda r: r[0])
+            if not timed:
+                log(f"sweep M={m} {name}: no candidate ran")
+                continue
+            best_ms, best = timed[0]
+            results += [{"m": m, "shape": name, "ms": t, "config": dataclasses.asdict(c)} for t, c in timed]
+            best_rows.append(
+                [m, name, dense_ms * 1e3, default_ms * 1e3 if default_ms else float("nan"), best_ms * 1e3,
+                 dense_ms / best_ms, _describe(best)]
+            )  # fmt: skip
+            rules.append(
+                f"    LaunchRule(m={bucket}, n=({n}, {n}), k=({k}, {k}), config=QuantGemmConfig({best.block_m}, "
+                f"{best.block_n}, {best.block_k}, {best.split_k}, {best.num_warps}, {best.num_stages}, "
+                f"gemv={best.gemv})),  # M={m} {name}: {best_ms * 1e3:.1f} us, dense / this {dense_ms / best_ms:.2f}"
+            )
+            log(f"sweep M={m} {name}: best {_describe(best)} {best_ms * 1e3:.1f} us (dense {dense_ms * 1e3:.1f} us)")
+    headers = ["M", "shape", "dense us", "default us", "best us", "dense/best", "best launch"]
+    md = markdown_table(headers, best_rows)
+    md += "\n\nHOPPER_TABLE rows (one per swept M; widen the M and N/K ranges by hand where neighbours agree):\n\n"
+    md += "```python\nHOPPER_TABLE: tuple[LaunchRule, ...] = (\n" + "\n".join(rules) + "\n)\n```"
+    return {"best": best_rows, "all": results, "markdown": md}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
     parser.add_argument("--group-size", type=int, default=128)
+    parser.add_argument("--sweep", action="store_true", help="time the candidate launches instead (minutes)")
+    parser.add_argument("--sweep-ms", default=",".join(map(str, SWEEP_MS)), help="M values the sweep times")
+    parser.add_argument("--out", default=None, help="also write quant_gemm.json / .md here")
+    parser.add_argument("--device", default=None, help="default: cuda, or the CPU interpreter without a GPU")
+    parser.add_argument("--preset", default="llama8b", choices=["llama8b", "tiny"])
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
-    device = "cuda"
-    g = args.group_size
-    print(
-        f"{'shape':>8} {'M':>5} | {'dense us':>9} {'awq us':>8} {'gptq us':>8} {'act-ord us':>10} {'deq+mm us':>9}"
-        f" | {'awq GB/s':>8} {'awq TF/s':>8}"
-    )
-    for name, (k, n) in SHAPES.items():
-        (aq, az, as_), (gq, gz, gs) = _tensors(k, n, g, device)
-        dense = torch.randn(k, n, device=device, dtype=dtype)
-        perm = torch.randperm(k, device=device).to(torch.int32)
-        packed_bytes = aq.numel() * 4 + az.numel() * 4 + as_.numel() * 2
-        for m in BATCHES:
-            x = torch.randn(m, k, device=device, dtype=dtype)
-            times = _bench(x, dense, (aq, az, as_), (gq, gz, gs), perm, g, dtype)
-            us = [t * 1e3 for t in times]
-            gbs = packed_bytes / (times[1] * 1e-3) / 1e9
-            tfs = 2 * m * k * n / (times[1] * 1e-3) / 1e12
-            print(
-                f"{name:>8} {m:>5} | {us[0]:>9.1f} {us[1]:>8.1f} {us[2]:>8.1f} {us[3]:>10.1f} {us[4]:>9.1f}"
-                f" | {gbs:>8.0f} {tfs:>8.1f}"
-            )
+    device = bench_device(args.device)
+    sms = num_sms(device.index or 0)
+    tiny = args.preset == "tiny"
+    shapes, batches = (TINY_SHAPES, TINY_BATCHES) if tiny else (SHAPES, BATCHES)
+    g = 64 if tiny else args.group_size
+    log(f"{environment(device)['device']} ({sms} SMs), {args.dtype}, group size {g}")
+    if args.sweep:
+        ms = TINY_BATCHES if tiny else tuple(int(v) for v in args.sweep_ms.split(","))
+        res = run_sweep(shapes, ms, dtype, g, sms, device, limit=3 if tiny else 0)
+    else:
+        res = run_default(shapes, batches, dtype, g, sms, device)
+    res["environment"] = environment(device)
+    if args.out:
+        write_results(args.out, "quant_gemm_sweep" if args.sweep else "quant_gemm", res, res["markdown"])
+    else:
+        print(res["markdown"], flush=True)
 
 
 if __name__ == "__main__":
