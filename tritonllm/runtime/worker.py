@@ -91,13 +91,13 @@ class Worker:
         engine = config.engine
         self.config = config
         self.rank, self.world_size = rank, world_size
-        if world_size > 1:
-            init_tensor_parallel(rank, world_size, init_method)
         self.device = worker_device(engine.device, rank if local_rank is None else local_rank, world_size)
         if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
+            torch.cuda.set_device(self.device)  # before the group exists: NCCL binds the current device
         elif world_size > 1:
             torch.set_num_threads(max(1, _usable_cpus() // world_size))  # ranks on one host share its cores
+        if world_size > 1:
+            init_tensor_parallel(rank, world_size, init_method)
         self.model, self.model_config = load_model(
             config.model_path,
             dtype=engine.dtype,
