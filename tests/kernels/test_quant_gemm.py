@@ -27,7 +27,8 @@ TOL_SCALE = 2.0
 # Small launches that still exercise several N tiles, K tiles and splits on tiny shapes.
 KINDS = {
     "auto": None,
-    "gemv": QuantGemmConfig(1, 32, 32, 1, 4, 2, gemv=True),
+    "gemv": QuantGemmConfig(1, 32, 32, 1, 4, 2, gemv=True),  # next tile's loads issued one iteration ahead
+    "gemv1": QuantGemmConfig(1, 32, 32, 1, 4, 1, gemv=True),  # no prefetch
     "dot": QuantGemmConfig(16, 32, 32, 1, 4, 2),
 }
 
@@ -96,7 +97,7 @@ def test_gemm_matches_reference(
     assert_close(y, expected, dtype, scale=TOL_SCALE)
 
 
-@pytest.mark.parametrize("kind", ["gemv", "dot"])
+@pytest.mark.parametrize("kind", ["gemv", "gemv1", "dot"])
 def test_group_narrower_than_a_word(kind):
     # 4-bit group of 4 rows: half a word per group, so scales change inside a packed word.
     k, n, bits, gs = 32, 16, 4, 4
@@ -114,7 +115,7 @@ def test_leading_dims_flatten_into_rows():
     assert_close(y, gptq_gemm_ref(x, qweight, qzeros, scales, 4, 32), torch.float16, scale=TOL_SCALE)
 
 
-@pytest.mark.parametrize("kind", ["gemv", "dot"])
+@pytest.mark.parametrize("kind", ["gemv", "gemv1", "dot"])
 def test_split_k_is_deterministic_and_leaves_its_counters_zeroed(kind):
     # The last program of a tile adds the partials in split order, whatever order the programs finished in, and
     # resets the tile's arrival counter for the next launch.
@@ -139,7 +140,7 @@ def test_permutation_selects_input_features():
     perm = torch.arange(k, dtype=torch.int32).roll(-5).to(DEVICE)  # row 0 <- feature 5
     x = torch.zeros(1, k, dtype=torch.float32, device=DEVICE)
     x[0, 5] = 2.0
-    for kind in ("gemv", "dot"):
+    for kind in ("gemv", "gemv1", "dot"):
         y = gptq_gemm(x, qweight, qzeros, scales, bits, -1, zero_offset=0, perm=perm, config=_config(kind, 1))
         assert y.cpu().eq(6.0).all(), kind
 

@@ -227,7 +227,7 @@ def _launch(x, qweight, qzeros, scales, perm, bias, n, bits, group_size, zero_of
         num_stages=cfg.num_stages,
     )
     if cfg.gemv:
-        _quant_gemv_kernel[grid](*args, **common)
+        _quant_gemv_kernel[grid](*args, PREFETCH=cfg.num_stages > 1, **common)
     else:
         precision = "ieee" if x.dtype == torch.float32 else "tf32"
         _quant_gemm_kernel[grid](

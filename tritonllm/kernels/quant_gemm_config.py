@@ -27,7 +27,7 @@ class QuantGemmConfig:
     block_k: int  # K rows per tile (a multiple of 32 // bits: whole packed words)
     split_k: int  # programs along K (their fp32 partial sums are added by the last one to finish)
     num_warps: int
-    num_stages: int
+    num_stages: int  # GEMV kernel: > 1 loads each K tile one iteration ahead
     gemv: bool = False  # CUDA-core GEMV kernel instead of the tl.dot one
 
 
@@ -126,8 +126,9 @@ def sweep_candidates(m: int) -> list[QuantGemmConfig]:
         for block_n in (64, 128, 256):
             for block_k in (64, 128, 256):
                 for warps in (4, 8):
-                    if block_n * block_k < 8192 * warps:  # < 32 words per thread (more spills registers)
-                        out.append(QuantGemmConfig(1, block_n, block_k, 0, warps, 2, gemv=True))
+                    for stages in (1, 2):  # GEMV: 2 loads each tile one iteration ahead
+                        if block_n * block_k < 8192 * warps:  # < 32 words per thread (more spills registers)
+                            out.append(QuantGemmConfig(1, block_n, block_k, 0, warps, stages, gemv=True))
     if m <= 16:
         for block_n in (32, 64, 128):
             for block_k in (64, 128, 256):
@@ -138,8 +139,8 @@ def sweep_candidates(m: int) -> list[QuantGemmConfig]:
     for block_m in (16, 32, 64) if m <= 64 else (64, 128):
         for block_n in (64, 128, 256):
             for block_k in (32, 64, 128):
-                warps = 8 if block_m >= 64 else 4  # 64-row tiles: two warpgroups
-                if block_n * block_k <= 16384 and block_m * block_n * block_k <= 2**20:  # no spills on sm_90
+                warps = 8 if block_m >= 64 else 4  # 64-row tiles: two warpgroups; larger tiles spill on sm_90
+                if block_n * block_k <= 16384 and block_m * block_n <= 16384 and block_m * block_n * block_k <= 2**20:
                     out.append(QuantGemmConfig(block_m, block_n, block_k, 0, warps, 3))
     return out
 

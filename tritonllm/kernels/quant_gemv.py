@@ -13,6 +13,17 @@ from tritonllm.kernels.quant_gemm_common import group_params, magic, store_outpu
 
 
 @triton.jit
+def _load_words(
+    qweight_ptr, k0, k_end, offs_n64, mask_n, stride_qw_k, stride_qw_n, PACK: tl.constexpr, KW: tl.constexpr
+):
+    """The [KW, BLOCK_N] packed words of the K tile at k0 (zeros where k0 >= k_end)."""
+    offs_kw = k0 // PACK + tl.arange(0, KW)
+    mask = (offs_kw < k_end // PACK)[:, None] & mask_n[None, :]
+    ptrs = qweight_ptr + offs_kw.to(tl.int64)[:, None] * stride_qw_k + offs_n64[None, :] * stride_qw_n
+    return tl.load(ptrs, mask=mask, other=0)
+
+
+@triton.jit
 def _quant_gemv_kernel(
     x_ptr,
     qweight_ptr,
@@ -46,6 +57,7 @@ def _quant_gemv_kernel(
     HAS_PERM: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SPLIT: tl.constexpr,
+    PREFETCH: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -63,25 +75,45 @@ def _quant_gemv_kernel(
     acc = tl.zeros((KW, BLOCK_N), dtype=tl.float32)
     k_start = pid_s * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
+    # PREFETCH: each tile's words (and, one group per tile, its scales and zeros) are loaded one iteration ahead,
+    # so their latency overlaps the previous tile's math (more registers per program); nothing past this split's
+    # K range is read.
+    if PREFETCH:
+        words = _load_words(qweight_ptr, k_start, k_end, offs_n64, mask_n, stride_qw_k, stride_qw_n, PACK, KW)
+        if GROUPS == "tile":
+            z, s = group_params(
+                qzeros_ptr, scales_ptr, k_start // GROUP_SIZE, mask_n & (offs_n * 0 + k_start < k_end), offs_n,
+                stride_qz_g, stride_qz_n, stride_s_g, stride_s_n, BITS, ZERO_OFFSET,
+            )  # fmt: skip
     for k0 in range(k_start, k_end, BLOCK_K):
+        k1 = k0 + BLOCK_K
+        if PREFETCH:
+            cur = words
+            words = _load_words(qweight_ptr, k1, k_end, offs_n64, mask_n, stride_qw_k, stride_qw_n, PACK, KW)
+        else:
+            cur = _load_words(qweight_ptr, k0, k_end, offs_n64, mask_n, stride_qw_k, stride_qw_n, PACK, KW)
         offs_kw = k0 // PACK + tl.arange(0, KW)
         mask_kw = offs_kw < K // PACK
-        words = tl.load(
-            qweight_ptr + offs_kw.to(tl.int64)[:, None] * stride_qw_k + offs_n64[None, :] * stride_qw_n,
-            mask=mask_kw[:, None] & mask_n[None, :],
-            other=0,
-        )
         # Scales and zeros as [1, BLOCK_N] (one group per tile) or [KW, BLOCK_N] (per word row); 1-D loads
         # broadcast, so the [KW, BLOCK_N] math stays in the words' register layout.
         if GROUPS == "tile":
-            z, s = group_params(
-                qzeros_ptr, scales_ptr, k0 // GROUP_SIZE, mask_n, offs_n, stride_qz_g, stride_qz_n, stride_s_g,
-                stride_s_n, BITS, ZERO_OFFSET,
-            )  # fmt: skip
-            z = z[None, :]
-            s = s[None, :]
+            if PREFETCH:
+                zw = z[None, :]
+                sw = s[None, :]
+                # (offs_n * 0 + k1: a tensor comparison; the interpreter rejects a mask ANDed with a scalar one)
+                z, s = group_params(
+                    qzeros_ptr, scales_ptr, k1 // GROUP_SIZE, mask_n & (offs_n * 0 + k1 < k_end), offs_n,
+                    stride_qz_g, stride_qz_n, stride_s_g, stride_s_n, BITS, ZERO_OFFSET,
+                )  # fmt: skip
+            else:
+                zt, st = group_params(
+                    qzeros_ptr, scales_ptr, k0 // GROUP_SIZE, mask_n, offs_n, stride_qz_g, stride_qz_n, stride_s_g,
+                    stride_s_n, BITS, ZERO_OFFSET,
+                )  # fmt: skip
+                zw = zt[None, :]
+                sw = st[None, :]
         elif GROUPS == "word":
-            z, s = group_params(
+            zw, sw = group_params(
                 qzeros_ptr, scales_ptr, (offs_kw * PACK // GROUP_SIZE)[:, None], mask_kw[:, None] & mask_n[None, :],
                 offs_n[None, :], stride_qz_g, stride_qz_n, stride_s_g, stride_s_n, BITS, ZERO_OFFSET,
             )  # fmt: skip
@@ -90,7 +122,7 @@ def _quant_gemv_kernel(
         # value; the zero is scaled the same way and x by 2^-pos (exact powers of two) to compensate.
         t = tl.zeros((KW, BLOCK_N), dtype=tl.float32)
         for h in tl.static_range(2):
-            half = (words >> 16 if h == 1 else words) | 0x4B000000
+            half = (cur >> 16 if h == 1 else cur) | 0x4B000000
             for j in tl.static_range(PACK // 2):
                 p = h * (PACK // 2) + j
                 pos = j * BITS
@@ -107,11 +139,11 @@ def _quant_gemv_kernel(
                     )  # fmt: skip
                     t += (v - magic(zr << pos)) * sr * (xp * (1.0 / (1 << pos)))[:, None]
                 else:
-                    t += (v - magic(z << pos)) * (xp * (1.0 / (1 << pos)))[:, None]
+                    t += (v - magic(zw << pos)) * (xp * (1.0 / (1 << pos)))[:, None]
         if GROUPS == "row":
             acc += t
         else:
-            acc += t * s
+            acc += t * sw
 
     y = tl.sum(acc, axis=0)
     store_output(
