@@ -123,7 +123,7 @@ def _describe(cfg: QuantGemmConfig) -> str:
 def _with_split(cfg: QuantGemmConfig, m: int, n: int, k: int, sms: int, split: int | None = None):
     if split is None:
         m_tiles = m if cfg.gemv else _cdiv(m, cfg.block_m)
-        split = auto_split_k(m_tiles, _cdiv(n, cfg.block_n), k, cfg.block_k, sms)
+        split = auto_split_k(m, m_tiles, _cdiv(n, cfg.block_n), k, cfg.block_k, sms)
     return dataclasses.replace(cfg, split_k=split)
 
 
@@ -162,7 +162,7 @@ def run_sweep(shapes, ms, dtype: torch.dtype, g: int, sms: int, device: torch.de
             timed = list(stage1)
             for _, cfg in stage1[:3]:
                 m_tiles = m if cfg.gemv else _cdiv(m, cfg.block_m)
-                for split in sweep_splits(m_tiles, _cdiv(n, cfg.block_n), k, cfg.block_k, sms):
+                for split in sweep_splits(m, m_tiles, _cdiv(n, cfg.block_n), k, cfg.block_k, sms):
                     if split != cfg.split_k:
                         cand = _with_split(cfg, m, n, k, sms, split)
                         t = _time_config(x, qw, qz, s, g, cand, expected)

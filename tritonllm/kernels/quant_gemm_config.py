@@ -54,9 +54,11 @@ GEMV_MAX_M = 1
 # sweep fills it; the generic heuristics below then decide. TODO(bench): paste the rows `--sweep` prints.
 HOPPER_TABLE: tuple[LaunchRule, ...] = ()
 
-# Split-K: programs the grid should reach per SM (several, to keep enough loads in flight on a memory-bound
-# launch), and K tiles each split walks at least.
-_PROGRAMS_PER_SM = 4
+# Split-K: programs the grid should reach per SM, and K tiles each split walks at least. Up to 16 rows the launch
+# is bound by reading the weights and wants several programs per SM in flight; beyond, every split adds an fp32
+# [M, N] partial round trip that grows with M, so splitting only fills the SMs once.
+_PROGRAMS_PER_SM_SMALL_M = 4
+_PROGRAMS_PER_SM = 1
 _MIN_TILES_PER_SPLIT = 2
 _MAX_SPLIT_K = 64
 
@@ -69,11 +71,11 @@ def num_sms(device_index: int = 0) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def auto_split_k(m_tiles: int, n_tiles: int, k: int, block_k: int, sms: int) -> int:
-    """Splits along K so the grid reaches _PROGRAMS_PER_SM programs per SM, each walking >= 2 K tiles."""
-    tiles = m_tiles * n_tiles
+def auto_split_k(m: int, m_tiles: int, n_tiles: int, k: int, block_k: int, sms: int) -> int:
+    """Splits along K so the grid reaches the programs per SM wanted for M rows, each split >= 2 K tiles."""
+    per_sm = _PROGRAMS_PER_SM_SMALL_M if m <= 16 else _PROGRAMS_PER_SM
     k_tiles = triton.cdiv(k, block_k)
-    wanted = triton.cdiv(_PROGRAMS_PER_SM * sms, tiles)
+    wanted = triton.cdiv(per_sm * sms, m_tiles * n_tiles)
     return max(1, min(wanted, k_tiles // _MIN_TILES_PER_SPLIT, _MAX_SPLIT_K))
 
 
@@ -88,7 +90,7 @@ def generic_config(m: int, n: int, k: int, sms: int) -> QuantGemmConfig:
     else:  # 64-row tiles and larger take 8 warps (two warpgroups): 4 spill registers at BLOCK_N 128
         block_m, block_n, block_k, warps, stages, gemv = (64 if m <= 128 else 128), 128, 64, 8, 3, False
     m_tiles = m if gemv else triton.cdiv(m, block_m)
-    split = auto_split_k(m_tiles, triton.cdiv(n, block_n), k, block_k, sms) if m <= 128 else 1
+    split = auto_split_k(m, m_tiles, triton.cdiv(n, block_n), k, block_k, sms) if m <= 128 else 1
     return QuantGemmConfig(block_m, block_n, block_k, split, warps, stages, gemv)
 
 
@@ -145,8 +147,8 @@ def sweep_candidates(m: int) -> list[QuantGemmConfig]:
     return out
 
 
-def sweep_splits(m_tiles: int, n_tiles: int, k: int, block_k: int, sms: int) -> list[int]:
+def sweep_splits(m: int, m_tiles: int, n_tiles: int, k: int, block_k: int, sms: int) -> list[int]:
     """split_k values to try for one tile config: 1, the automatic choice, and powers of two up to the K tiles."""
     k_tiles = triton.cdiv(k, block_k)
-    auto = auto_split_k(m_tiles, n_tiles, k, block_k, sms)
+    auto = auto_split_k(m, m_tiles, n_tiles, k, block_k, sms)
     return sorted({1, auto, *(s for s in (2, 4, 8, 16, 32) if s <= k_tiles)})
