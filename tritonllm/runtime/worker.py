@@ -92,7 +92,7 @@ class Worker:
         self.config = config
         self.rank, self.world_size = rank, world_size
         self.device = worker_device(engine.device, rank if local_rank is None else local_rank, world_size)
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)  # before the group exists: NCCL binds the current device
         elif world_size > 1:
             torch.set_num_threads(max(1, _usable_cpus() // world_size))  # ranks on one host share its cores
