@@ -68,15 +68,15 @@ def decode_vs_roofline(engine, args, bandwidth_gbs: float) -> list[dict[str, Any
     roofline = bandwidth_gbs * 1e9 / (weights + kv)
     decode_alone(engine, 16, 8, args.seed)  # warm-up
     runner = engine.runner
-    graphs = runner.decode_graphs
-    modes = [("cuda graphs", graphs), ("eager", None)] if graphs is not None else [("eager", None)]
+    graphs = (runner.decode_graphs, runner.mixed_graphs)
+    modes = [("cuda graphs", graphs), ("eager", (None, None))] if graphs[0] is not None else [("eager", graphs)]
     rows = []
-    for mode, g in modes:
-        runner.decode_graphs = g
+    for mode, (decode_graphs, mixed_graphs) in modes:
+        runner.decode_graphs, runner.mixed_graphs = decode_graphs, mixed_graphs
         try:
             r = decode_alone(engine, args.decode_prompt_len, args.decode_output_len, args.seed)
         finally:
-            runner.decode_graphs = graphs
+            runner.decode_graphs, runner.mixed_graphs = graphs
         rows.append(
             {
                 "mode": mode,
@@ -120,8 +120,10 @@ def run_variant(name: str, model_dir: Path, device, args, bandwidth: float, work
 
         def counting_execute(out, *rest):
             steps["all"] += 1
-            graphs = engine.runner.decode_graphs
-            steps["graph"] += bool(graphs is not None and graphs.can_run(out, *rest))
+            runner = engine.runner
+            steps["graph"] += any(
+                g is not None and g.can_run(out, *rest) for g in (runner.decode_graphs, runner.mixed_graphs)
+            )
             return execute(out, *rest)
 
         engine.runner.execute = counting_execute

@@ -145,7 +145,7 @@ def build_engine(model_dir: Path, device: torch.device, **engine_kwargs: Any) ->
     info = {
         "total_s": total,
         **{k: timings.get(k, 0.0) for k in targets},
-        "num_graphs": len(graphs.graphs) if graphs is not None else 0,
+        "num_graphs": sum(len(g.graphs) for g in (graphs, runner.mixed_graphs) if g is not None),
         "kv_cache_gib": runner.num_blocks * runner.bytes_per_block() / 2**30,
         "kv_cache_blocks": runner.num_blocks,
         "kv_cache_tokens": runner.num_blocks * runner.block_size,
