@@ -50,9 +50,10 @@ M_BUCKETS: tuple[tuple[int, int], ...] = ((1, 1), (2, 4), (5, 16), (17, 64), (65
 # 16-row tl.dot kernel about 8 for all its rows, so from two rows on the dot kernel does less work.
 GEMV_MAX_M = 1
 
-# Hopper (H200, 132 SMs) rows for fp16/bf16 at group size 128, Llama-3.1-8B projection shapes; other shapes and M
-# buckets fall back to the generic heuristics below. Measured: `python benchmarks/quant_gemm.py --sweep --sweep-ms 1,16,128` on an H200 (triton 3.6), fp16, group 128,
-# Llama-3.1-8B's projections (qkv, o, gate_up, down); the speed-up over cuBLAS fp16 is in each comment.
+# Hopper (H200, 132 SMs) rows for fp16/bf16 at group size 128, Llama-3.1-8B's projections (qkv, o, gate_up, down);
+# other shapes and M buckets fall back to the generic heuristics below. Measured with
+# `python benchmarks/quant_gemm.py --sweep --sweep-ms 1,16,128` on an H200 (triton 3.6, fp16); each comment gives
+# the time and the speed-up over the cuBLAS fp16 matmul.
 HOPPER_TABLE: tuple[LaunchRule, ...] = (
     LaunchRule(
         m=(1, 1), n=(6144, 6144), k=(4096, 4096), config=QuantGemmConfig(1, 64, 128, 6, 4, 1, gemv=True)
