@@ -36,6 +36,4 @@ def randn(*shape: int, dtype: torch.dtype, seed: int, scale: float = 1.0) -> tor
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype | None = None, scale: float = 1.0):
     tol = TOLERANCES[dtype or actual.dtype]
-    torch.testing.assert_close(
-        actual.float(), expected.float(), atol=tol["atol"] * scale, rtol=tol["rtol"] * scale
-    )
+    torch.testing.assert_close(actual.float(), expected.float(), atol=tol["atol"] * scale, rtol=tol["rtol"] * scale)
