@@ -154,7 +154,7 @@ def test_only_pure_decode_steps_qualify():
 # ---- through the model ------------------------------------------------------------------------------
 
 
-def _runner(path: str, dtype: torch.dtype, num_blocks: int, block_size: int, seed: int) -> ModelRunner:
+def seeded_runner(path: str, dtype: torch.dtype, num_blocks: int, block_size: int, seed: int) -> ModelRunner:
     model, config = load_model(path, dtype=dtype, load_format="dummy", device=DEVICE)
     runner = ModelRunner(model, config, block_size, DEVICE, dtype)
     runner.allocate_kv_cache(num_blocks)
@@ -172,8 +172,8 @@ def test_padded_decode_matches_eager(tmp_path_factory, use_graphs, seed, dtype):
     config = tiny_config("LlamaForCausalLM", vocab_size=97, num_hidden_layers=1, max_position_embeddings=64)
     (path / "config.json").write_text(json.dumps(config))
     block_size, num_blocks, max_model_len = 4, 40, 32
-    eager = _runner(str(path), dtype, num_blocks, block_size, seed)
-    padded = _runner(str(path), dtype, num_blocks, block_size, seed)
+    eager = seeded_runner(str(path), dtype, num_blocks, block_size, seed)
+    padded = seeded_runner(str(path), dtype, num_blocks, block_size, seed)
     padded.capture_decode_graphs(max_num_seqs=6, max_model_len=max_model_len, use_graphs=use_graphs)
     assert padded.decode_graphs.sizes == [1, 2, 4, 6]
 

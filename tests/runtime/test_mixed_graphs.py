@@ -14,10 +14,9 @@ from hypothesis import strategies as st
 
 from tests.helpers import DEVICE, seeds
 from tests.models.checkpoints import tiny_config
-from tritonllm.models.loader import load_model
+from tests.runtime.test_cuda_graphs import seeded_runner
 from tritonllm.platform import HAS_CUDA, INTERPRET
 from tritonllm.runtime.mixed_graphs import MIXED_TOKEN_LIMIT, MixedGraphRunner, mixed_token_buckets
-from tritonllm.runtime.model_runner import ModelRunner
 from tritonllm.runtime.scheduler import Scheduler, SchedulerConfig
 from tritonllm.runtime.step_inputs import build_step_inputs
 from tritonllm.sampling_params import SamplingParams
@@ -58,16 +57,6 @@ def test_token_bucket_examples():
         mixed_token_buckets(0)
 
 
-def _runner(path: str, dtype: torch.dtype, num_blocks: int, block_size: int, seed: int) -> ModelRunner:
-    model, config = load_model(path, dtype=dtype, load_format="dummy", device=DEVICE)
-    runner = ModelRunner(model, config, block_size, DEVICE, dtype)
-    runner.allocate_kv_cache(num_blocks)
-    # Random, not zero: a stray write to any slot (a padding row's, say) changes the final cache.
-    g = torch.Generator().manual_seed(seed)
-    runner.kv_cache.copy_(torch.randn(runner.kv_cache.shape, generator=g).to(dtype))
-    return runner
-
-
 @pytest.mark.parametrize("use_graphs", GRAPH_MODES)
 @settings(max_examples=2)
 @given(seed=seeds(), dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
@@ -76,8 +65,8 @@ def test_padded_mixed_steps_match_eager(tmp_path_factory, use_graphs, seed, dtyp
     config = tiny_config("LlamaForCausalLM", vocab_size=97, num_hidden_layers=1, max_position_embeddings=64)
     (path / "config.json").write_text(json.dumps(config))
     block_size, num_blocks, max_model_len, max_num_seqs = 4, 48, 32, 5
-    eager = _runner(str(path), dtype, num_blocks, block_size, seed)
-    padded = _runner(str(path), dtype, num_blocks, block_size, seed)
+    eager = seeded_runner(str(path), dtype, num_blocks, block_size, seed)
+    padded = seeded_runner(str(path), dtype, num_blocks, block_size, seed)
     padded.capture_decode_graphs(max_num_seqs, max_model_len, use_graphs=use_graphs, max_num_batched_tokens=24)
     mixed = padded.mixed_graphs
     assert mixed.buckets == [24]
@@ -118,7 +107,7 @@ def test_padded_mixed_steps_match_eager(tmp_path_factory, use_graphs, seed, dtyp
 def test_steps_that_do_not_fit_run_eagerly(tmp_path):
     config = tiny_config("LlamaForCausalLM", vocab_size=97, num_hidden_layers=1, max_position_embeddings=64)
     (tmp_path / "config.json").write_text(json.dumps(config))
-    runner = _runner(str(tmp_path), torch.float32, 40, 4, 0)
+    runner = seeded_runner(str(tmp_path), torch.float32, 40, 4, 0)
     mixed = MixedGraphRunner(runner.model, 32, 4, 2, [8], DEVICE, use_graphs=False)
     scheduler = Scheduler(SchedulerConfig(max_model_len=32, num_blocks=40, block_size=4, max_num_batched_tokens=64))
     for i, n in enumerate([3, 4, 9]):
