@@ -47,6 +47,10 @@ PREFILL_LENS = (512, 2048, 8192)
 PREFILL_TOKENS = 16384  # batch = PREFILL_TOKENS // length
 SWEEP_DECODE = [(1, 1024), (1, 8192), (8, 4096), (32, 1024), (64, 8192), (256, 1024)]
 SWEEP_PREFILL = (512, 2048)
+SWEEP_SPLITS = (1, 2, 3, 4, 6, 8)  # split-KV counts tried at batch >= 32, where the heuristic picks 1
+# Mixed steps (decodes next to one prefill chunk, as continuous batching schedules them): (decodes, their context,
+# chunk length), planned as a mixed-step CUDA graph plans them, for the token count rounded up to 256.
+MIXED_STEPS = ((255, 512, 256), (255, 1024, 1024), (128, 2048, 2048), (32, 4096, 512))
 MAX_DIFF = 0.05  # bf16 outputs of unit-variance attention: a larger gap to SDPA means a wrong result
 
 
@@ -62,6 +66,7 @@ class Shapes:
     prefill_tokens: int = PREFILL_TOKENS
     sweep_decode: tuple[tuple[int, int], ...] = tuple(SWEEP_DECODE)
     sweep_prefill: tuple[int, ...] = SWEEP_PREFILL
+    mixed_steps: tuple[tuple[int, int, int], ...] = MIXED_STEPS
 
 
 TINY = Shapes(
@@ -74,6 +79,7 @@ TINY = Shapes(
     prefill_tokens=64,
     sweep_decode=((1, 96),),
     sweep_prefill=(32,),
+    mixed_steps=((3, 48, 16),),
 )
 
 
@@ -282,6 +288,70 @@ def run_prefill(s, dtype, device) -> list[dict]:
     return rows
 
 
+def mixed_case(decodes: int, context: int, chunk: int, s: Shapes, dtype, device):
+    """(plan, run): the default plan of a mixed step padded to its 256-token bucket, and run(config) -> output."""
+    kv = make_kv(decodes + 1, max(context, chunk), s, dtype, device, seed=decodes + context + chunk)
+    g = torch.Generator(device=device).manual_seed(chunk)
+    num_tokens = decodes + chunk
+    bucket = -(-num_tokens // 256) * 256
+    q = torch.randn(bucket, s.heads, s.head_dim, generator=g, device=device, dtype=dtype)
+    i32 = dict(dtype=torch.int32, device=device)
+    query_start_loc = torch.tensor([*range(decodes + 1), num_tokens], **i32)
+    seq_lens = torch.tensor([context] * decodes + [chunk], **i32)
+    max_seq_len = max(context, chunk)
+    config = paged_attention_config(
+        num_seqs=decodes + 1, num_heads=s.heads, num_kv_heads=s.kv_heads, head_size=s.head_dim, dtype=dtype,
+        max_query_len=bucket, max_seq_len=max_seq_len, target=_target(device),
+    )  # fmt: skip
+
+    def run(cfg: PagedAttentionConfig) -> tuple[Callable[[], None], torch.Tensor]:
+        out = torch.zeros_like(q)
+        return lambda: paged_attention(
+            q, kv.k_cache, kv.v_cache, query_start_loc, seq_lens, kv.block_tables, bucket, max_seq_len,
+            s.head_dim**-0.5, out=out, config=cfg,
+        ), out[:num_tokens]  # fmt: skip
+
+    return config, bucket, run
+
+
+def run_mixed(s, dtype, device) -> list[dict]:
+    """Mixed steps: the decodes in a launch of their own (the default plan) against one prefill-tiled launch."""
+    rows = []
+    for decodes, context, chunk in s.mixed_steps:
+        config, bucket, run = mixed_case(decodes, context, chunk, s, dtype, device)
+        (two, out_two), (one, out_one) = run(config), run(dataclasses.replace(config, short_queries=None))
+        t_two, t_one = time_graph_ms(two, device), time_graph_ms(one, device)
+        err = (out_two.float() - out_one.float()).abs().max().item()
+        rows.append(
+            dict(decodes=decodes, context=context, chunk=chunk, bucket=bucket, two_launches_us=t_two * 1e3,
+                 one_launch_us=t_one * 1e3, max_abs_diff=err, short_queries=config.short_queries is not None)
+        )  # fmt: skip
+        log(
+            f"mixed {decodes} decodes x {context} + chunk {chunk} (bucket {bucket}): two launches {t_two * 1e3:.1f} us,"
+            f" one {t_one * 1e3:.1f} us, diff {err:.2g}"
+        )
+    return rows
+
+
+def run_split_sweep(s, dtype, device, copy_gbs) -> list[dict]:
+    """Decode at batch >= 32 (one program per sequence and KV head already fills the GPU) with forced KV splits."""
+    rows = []
+    for batch, context in itertools.product([b for b in s.batches if b >= 32] or s.batches[-1:], s.contexts):
+        case = decode_case(batch, context, s, dtype, device)
+        for n in SWEEP_SPLITS:
+            cfg = paged_attention_config(
+                num_seqs=batch, num_heads=s.heads, num_kv_heads=s.kv_heads, head_size=s.head_dim, dtype=dtype,
+                max_query_len=1, max_seq_len=context, num_splits=n, target=_target(device),
+            )  # fmt: skip
+            t = time_graph_ms(case.ours(cfg), device)
+            pct = 100 * case.work / (t * 1e-3) / 1e9 / copy_gbs
+            rows.append(dict(batch=batch, context=context, num_splits=cfg.num_splits, us=t * 1e3, pct_copy=pct))
+        mine = rows[-len(SWEEP_SPLITS) :]
+        log(f"splits B={batch} S={context}: " + " ".join(f"{r['num_splits']}:{r['pct_copy']:.0f}%" for r in mine))
+        del case
+    return rows
+
+
 def _rank_tiles(rows: list[dict], key: str) -> list[dict]:
     """Tiles timed on every shape, by the geometric mean over shapes of (time / that shape's best time)."""
     best: dict[str, float] = {}
@@ -451,6 +521,37 @@ def render(results: dict) -> str:
             ],
         ),  # fmt: skip
     ]
+    if results.get("mixed"):
+        parts += [
+            "",
+            "## Mixed steps (decodes + one prefill chunk, planned for the token bucket; CUDA graph replays)",
+            "",
+            markdown_table(
+                ["decodes", "context", "chunk", "bucket", "decodes apart us", "one launch us", "speed-up"],
+                [
+                    [
+                        r["decodes"],
+                        r["context"],
+                        r["chunk"],
+                        r["bucket"],
+                        r["two_launches_us"],
+                        r["one_launch_us"],
+                        r["one_launch_us"] / r["two_launches_us"],
+                    ]
+                    for r in results["mixed"]
+                ],
+            ),  # fmt: skip
+        ]
+    if results.get("split_sweep"):
+        rows = {}
+        for r in results["split_sweep"]:
+            rows.setdefault((r["batch"], r["context"]), [r["batch"], r["context"]]).append(r["pct_copy"])
+        parts += [
+            "",
+            "## Split-KV at batch >= 32 (% of copy bandwidth per forced split count)",
+            "",
+            markdown_table(["batch", "context", *[f"{n} splits" for n in SWEEP_SPLITS]], list(rows.values())),
+        ]
     if "sweep" in results:
         sweep = results["sweep"]
         parts += ["", "## Sweep: best launch config per shape (the default is what paged_attention picks)", ""]
@@ -479,6 +580,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="directory for attention.json and attention.md")
     parser.add_argument("--sweep", action="store_true", help="also sweep launch configs (a few more minutes)")
+    parser.add_argument("--split-sweep", action="store_true", help="also time KV splits 1..8 at batch >= 32")
+    parser.add_argument("--only-mixed", action="store_true", help="skip the decode and prefill tables")
     parser.add_argument("--tiny", action="store_true", help="toy shapes: a smoke test that runs anywhere")
     parser.add_argument("--device", default=None)
     args = parser.parse_args()
@@ -495,11 +598,14 @@ def main() -> None:
         shapes=f"{shapes.heads} query / {shapes.kv_heads} KV heads of {shapes.head_dim}, block {shapes.block}",
         copy_gbs=copy_gbs,
         copy_bytes=copy_bytes,
-        decode=run_decode(shapes, dtype, device, copy_gbs),
-        prefill=run_prefill(shapes, dtype, device),
+        decode=[] if args.only_mixed else run_decode(shapes, dtype, device, copy_gbs),
+        prefill=[] if args.only_mixed else run_prefill(shapes, dtype, device),
     )
+    results["mixed"] = run_mixed(shapes, dtype, device)
     if args.sweep:
         results["sweep"] = run_sweep(shapes, dtype, device, copy_gbs)
+    if args.split_sweep:
+        results["split_sweep"] = run_split_sweep(shapes, dtype, device, copy_gbs)
     write_results(args.out, "attention", results, render(results))
 
 

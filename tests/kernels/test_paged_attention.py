@@ -1,3 +1,4 @@
+import dataclasses
 from dataclasses import dataclass
 
 import pytest
@@ -232,6 +233,37 @@ def test_sequences_crossing_block_boundaries(block_size, blocks, delta, layout, 
     assert_close(run(b, target=target), reference(b), dtype=dtype)
 
 
+@given(
+    contexts=st.lists(st.integers(0, 60), min_size=1, max_size=4),
+    chunk=st.tuples(st.integers(0, 30), st.integers(2, 30)),
+    at=st.integers(0, 4),
+    bound=st.sampled_from([0, 7, 64]),
+    layout=head_layouts,
+    window=windows,
+    dtype=dtypes,
+    target=targets,
+    seed=seeds(),
+)
+def test_mixed_step_with_a_launch_for_short_queries(contexts, chunk, at, bound, layout, window, dtype, target, seed):
+    # Decodes next to a prefill chunk, planned for a host-side max_query_len above the true one (a mixed-step CUDA
+    # graph plans for its token bucket): the decodes run in a launch of their own, the chunk in the prefill one.
+    seqs = [(c, 1) for c in contexts]
+    seqs.insert(at % (len(seqs) + 1), chunk)
+    b = make_batch(seqs, *layout, 64, 16, dtype, seed)
+    b.max_query_len += bound
+    config = plan(b, target, window)
+    if target is None:  # the interpreter plans a single launch; give it the GPU's pair by hand
+        short = plan(dataclasses.replace(b, max_query_len=1), target, window)
+        config = dataclasses.replace(config, short_queries=short)
+    # The GPU plan adds the short launch whenever the prefill-shaped tile could hold a decode.
+    assert config.short_queries is not None or b.max_query_len <= config.block_q
+    out = paged_attention(
+        b.q, b.k_cache, b.v_cache, b.query_start_loc, b.seq_lens, b.block_tables, b.max_query_len, b.max_seq_len,
+        b.scale, sliding_window=window, config=config,
+    )  # fmt: skip
+    assert_close(out, reference(b, window), dtype=dtype)
+
+
 @given(seqs=sequences(max_seqs=2), block_size=block_sizes, dtype=dtypes, target=targets, seed=seeds())
 def test_window_edges(seqs, block_size, dtype, target, seed):
     b = make_batch(seqs, 2, 2, 64, block_size, dtype, seed)
@@ -336,3 +368,27 @@ def test_rejects_bad_inputs():
         paged_attention(b.q, b.k_cache, b.v_cache, qsl, b.seq_lens, b.block_tables, 2, 5, 1.0)
     with pytest.raises(ValueError, match="sliding_window"):
         run(b, sliding_window=0)
+
+
+def test_rejects_configs_that_cannot_run_the_batch():
+    b = make_batch([(3, 1), (0, 40)], 2, 2, 64, 16, torch.float16, 0)
+    good = plan(b, HOPPER_H200)
+    assert good.short_queries is not None
+
+    def call(config):
+        return paged_attention(
+            b.q, b.k_cache, b.v_cache, b.query_start_loc, b.seq_lens, b.block_tables, b.max_query_len, b.max_seq_len,
+            b.scale, config=config,
+        )  # fmt: skip
+
+    assert_close(call(good), reference(b), dtype=torch.float16)
+    with pytest.raises(ValueError, match="powers of two"):
+        call(dataclasses.replace(good, tile_n=48))
+    with pytest.raises(ValueError, match="kv_heads_per_program"):
+        call(dataclasses.replace(good, kv_heads_per_program=3))
+    with pytest.raises(ValueError, match="num_splits"):
+        call(dataclasses.replace(good, num_splits=2))
+    with pytest.raises(ValueError, match="short_queries"):
+        call(dataclasses.replace(good, short_queries=dataclasses.replace(good.short_queries, num_splits=2)))
+    with pytest.raises(ValueError, match="short_queries"):
+        call(dataclasses.replace(good, short_queries=good))

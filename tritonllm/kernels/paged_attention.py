@@ -35,6 +35,7 @@ from tritonllm.kernels.paged_attention_split import merge_attention_partials
 from tritonllm.platform import INTERPRET, check_kernel_device
 
 _MAX_HEAD_SIZE = 256
+_MAX_INT32 = 2**31 - 1
 _LOG2E = 1.4426950408889634
 
 
@@ -67,6 +68,8 @@ def _paged_attention_kernel(
     qk_scale,
     num_seqs,
     num_splits,
+    min_query_len,
+    max_query_len,
     stride_q_t,
     stride_q_h,
     stride_out_t,
@@ -112,6 +115,8 @@ def _paged_attention_kernel(
     query_len = tl.load(query_start_loc_ptr + seq + 1).to(IDX) - q_start
     if local_tile * BLOCK_Q >= query_len:
         return  # an idle sequence, or one of the up to one surplus tiles per sequence the grid counts
+    if (query_len < min_query_len) | (query_len > max_query_len):
+        return  # the other launch of a mixed step serves this sequence (config.short_queries)
     seq_len = tl.load(seq_lens_ptr + seq).to(IDX)
     context_len = seq_len - query_len
     kv_head0 = tl.program_id(1).to(IDX) * KV_HEADS
@@ -257,8 +262,7 @@ def paged_attention(
             f"strides {out.stride()}"
         )
     num_tokens, num_heads, head_size = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    num_seqs = seq_lens.shape[0]
+    num_kv_heads, num_seqs = k_cache.shape[2], seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
         return out
 
@@ -277,7 +281,36 @@ def paged_attention(
             target=current_target(q.device.index or 0) if q.is_cuda else None,
         )
     check_config(config, num_kv_heads, queries_per_kv, max_query_len)
-    cfg = config
+    tensors = (out, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables)
+    short = config.short_queries
+    if short is None:
+        _launch(*tensors, scale, sliding_window, config, max_query_len, (1, _MAX_INT32))
+    else:
+        # Two launches over the same batch, each serving the sequences the other skips (decided on the device
+        # from query_start_loc, so a CUDA graph replays any mix).
+        _launch(*tensors, scale, sliding_window, short, short.block_q, (1, short.block_q))
+        _launch(*tensors, scale, sliding_window, config, max_query_len, (short.block_q + 1, _MAX_INT32))
+    return out
+
+
+def _launch(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    cfg: PagedAttentionConfig,
+    max_query_len: int,
+    query_len_range: tuple[int, int],
+) -> None:
+    """One launch over the batch, serving the sequences whose query_len lies in query_len_range (inclusive)."""
+    num_tokens, num_heads, head_size = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_seqs = seq_lens.shape[0]
     one_tile_per_seq = max(1, max_query_len) <= cfg.block_q
     split = cfg.num_splits > 1
     if split:
@@ -303,6 +336,7 @@ def paged_attention(
         scale * _LOG2E,
         num_seqs,
         cfg.num_splits,
+        *query_len_range,
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -319,7 +353,7 @@ def paged_attention(
         part_out.stride(2) if split else 0,
         part_lse.stride(0),
         part_lse.stride(1),
-        QUERIES_PER_KV=queries_per_kv,
+        QUERIES_PER_KV=num_heads // num_kv_heads,
         HEAD_SIZE=head_size,
         HEAD_SIZE_PADDED=triton.next_power_of_2(head_size),
         BLOCK_SIZE=block_size,
@@ -341,7 +375,6 @@ def paged_attention(
         merge_attention_partials(
             part_out, part_lse, out, num_valid=query_start_loc[num_seqs:], heads_per_program=cfg.merge_heads_per_program
         )
-    return out
 
 
 def _check_inputs(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, sliding_window) -> None:

@@ -51,6 +51,10 @@ class PagedAttentionConfig:
     num_stages: int
     num_splits: int = 1  # > 1: split-KV, each sequence's KV range over this many programs, then a merge
     merge_heads_per_program: int = 1  # query heads per program of the split-KV merge (power of two)
+    # Sequences of at most short_queries.block_q queries (the decodes of a mixed step) run in a launch of their
+    # own with this decode-shaped config, one program per sequence; this config's launch skips them. Without it
+    # a decode next to a prefill chunk gets a whole prefill tile (128 rows) for its one token's GQA group.
+    short_queries: "PagedAttentionConfig | None" = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -151,12 +155,13 @@ def paged_attention_config(
     else:
         cfg = _gpu_config(queries_per_kv, head_padded, dtype, max_query_len)
     if max_query_len > cfg.block_q:
-        return cfg  # query tiles of one sequence cannot share partial buffers: no split-KV
+        # Query tiles of one sequence cannot share partial buffers: no split-KV.
+        return cfg if target.interpret else _with_short_queries(cfg, queries_per_kv, head_padded, dtype, max_query_len)
     if num_splits is None:
         programs = num_seqs * triton.cdiv(num_kv_heads, cfg.kv_heads_per_program)
         num_splits = 1 if target.interpret else choose_num_splits(programs, target.num_sms, max_seq_len, cfg.tile_n)
     if num_splits == 1:
-        return cfg
+        return cfg if target.interpret else _with_short_queries(cfg, queries_per_kv, head_padded, dtype, max_query_len)
     if target.interpret:
         cfg = _interpreter_config(*shape, num_splits=num_splits)  # shorter KV tiles, so each split gets some
     # Partial elements per merge program: ~8K on a GPU (registers); up to 2^18 under the interpreter (few programs).
@@ -183,6 +188,16 @@ def _gpu_config(queries_per_kv: int, head_padded: int, dtype: torch.dtype, max_q
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
     )
+
+
+def _with_short_queries(
+    cfg: PagedAttentionConfig, queries_per_kv: int, head_padded: int, dtype: torch.dtype, max_query_len: int
+) -> PagedAttentionConfig:
+    """cfg plus a decode-tiled launch for the short queries, where cfg's tile is a prefill one that may see some."""
+    short = _gpu_config(queries_per_kv, head_padded, dtype, max_query_len=1)
+    if short.block_q >= min(cfg.block_q, max_query_len):
+        return cfg
+    return dataclasses.replace(cfg, short_queries=short)
 
 
 def _interpreter_config(
@@ -230,3 +245,12 @@ def check_config(cfg: PagedAttentionConfig, num_kv_heads: int, queries_per_kv: i
             f"config.num_splits {cfg.num_splits} needs every sequence in one query tile (max_query_len "
             f"{max_query_len} <= block_q {cfg.block_q}); use num_splits=1 for this batch"
         )
+    short = cfg.short_queries
+    if short is not None:
+        if cfg.num_splits != 1 or short.short_queries is not None or short.num_splits != 1:
+            raise ValueError(
+                f"config.short_queries needs num_splits=1 on both configs and no short_queries of its own, got {cfg}"
+            )
+        if short.block_q >= cfg.block_q:
+            raise ValueError(f"config.short_queries.block_q must be below block_q {cfg.block_q}, got {short}")
+        check_config(short, num_kv_heads, queries_per_kv, short.block_q)
