@@ -28,6 +28,7 @@ from tritonllm.kernels.paged_attention_config import (
     paged_attention_config,
 )
 from tritonllm.kernels.paged_attention_split import merge_attention_partials, merge_attention_partials_ref
+from tritonllm.kernels.quant_gemm_common import _LOCKS
 
 # (num_kv_heads, queries per kv head), kept small: the GPU plan launches num_seqs x Hk x num_splits programs.
 small_layouts = st.sampled_from([(1, 1), (2, 2), (1, 5), (2, 4)])
@@ -60,23 +61,32 @@ def decode_batches(draw, max_seqs: int = 3, max_context: int = 200) -> list[tupl
     window=windows,
     num_splits=st.sampled_from([2, 3, 5, 8]),
     short_tiles=st.booleans(),
+    merge_in_launch=st.booleans(),
     dtype=dtypes,
     target=targets,
     seed=seeds(),
 )
 def test_forced_split_matches_reference(
-    seqs, layout, head_size, block_size, window, num_splits, short_tiles, dtype, target, seed
+    seqs, layout, head_size, block_size, window, num_splits, short_tiles, merge_in_launch, dtype, target, seed
 ):
     b = make_batch(seqs, *layout, head_size, block_size, dtype, seed)
     cfg = plan(b, target or current_target(), window, num_splits)
     assert cfg.num_splits == num_splits  # every sequence fits one query tile: the split path runs
+    cfg = dataclasses.replace(cfg, merge_in_launch=merge_in_launch)
     if short_tiles:  # many KV tiles per sequence, rarely a multiple of the split count
         cfg = dataclasses.replace(cfg, tile_n=16)
-    out = paged_attention(
-        b.q, b.k_cache, b.v_cache, b.query_start_loc, b.seq_lens, b.block_tables, b.max_query_len, b.max_seq_len,
-        b.scale, sliding_window=window, config=cfg,
-    )  # fmt: skip
+
+    def call():
+        return paged_attention(
+            b.q, b.k_cache, b.v_cache, b.query_start_loc, b.seq_lens, b.block_tables, b.max_query_len,
+            b.max_seq_len, b.scale, sliding_window=window, config=cfg,
+        )  # fmt: skip
+
+    out = call()
     assert_close(out, reference(b, window), dtype=dtype)
+    # The in-launch merge leaves its arrival counters at zero, so the next launch merges exactly once again.
+    assert all(int(c.abs().sum()) == 0 for c in _LOCKS.values())
+    assert torch.equal(call(), out)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

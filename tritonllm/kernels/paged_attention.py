@@ -12,7 +12,8 @@ causality or the sliding window mask out entirely, with an fp32 online softmax.
 
 Split-KV (flash-decoding): when every sequence fits one query tile, a third grid axis cuts each sequence's
 visible KV range into num_splits runs of whole tiles; each program stores its normalised partial output and
-log-sum-exp, and `merge_attention_partials` (paged_attention_split.py) combines them.
+log-sum-exp; the last program of a tile to finish merges them (`merge_splits_in_launch`), or a second launch does
+(`merge_attention_partials`), both in paged_attention_split.py.
 
 Under the interpreter one program may cover all KV heads (KV_HEADS > 1): the heads sit side by side along
 the head dim, each query row keeps only its own head's columns of q, so q @ K^T is every row's dot with its
@@ -31,7 +32,8 @@ from tritonllm.kernels.paged_attention_config import (
     current_target,
     paged_attention_config,
 )
-from tritonllm.kernels.paged_attention_split import merge_attention_partials
+from tritonllm.kernels.paged_attention_split import merge_attention_partials, merge_splits_in_launch
+from tritonllm.kernels.quant_gemm_common import split_k_locks
 from tritonllm.platform import INTERPRET, check_kernel_device
 
 _MAX_HEAD_SIZE = 256
@@ -65,6 +67,7 @@ def _paged_attention_kernel(
     block_tables_ptr,
     part_out_ptr,
     part_lse_ptr,
+    counters_ptr,
     qk_scale,
     num_seqs,
     num_splits,
@@ -97,6 +100,7 @@ def _paged_attention_kernel(
     KV_HEADS_PADDED: tl.constexpr,
     ONE_TILE_PER_SEQ: tl.constexpr,
     SPLIT_KV: tl.constexpr,
+    MERGE_IN_LAUNCH: tl.constexpr,
     SLIDING_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     INTERPRET: tl.constexpr,
@@ -213,6 +217,13 @@ def _paged_attention_kernel(
         po_offs = token[:, None] * stride_po_t + q_head[:, None] * stride_po_h + split * stride_po_s + offs_d[None, :]
         tl.store(part_out_ptr + po_offs, out, mask=own)
         tl.store(part_lse_ptr + token * stride_pl_t + q_head * stride_pl_h + split, lse, mask=row_valid)
+        if MERGE_IN_LAUNCH:
+            # One counter per (sequence, KV head program): split-KV runs one query tile per sequence.
+            merge_splits_in_launch(
+                out_ptr, part_out_ptr, part_lse_ptr, counters_ptr + seq * tl.num_programs(1) + tl.program_id(1),
+                token, q_head, offs_d, row_valid, own, num_splits, stride_out_t, stride_out_h, stride_po_t,
+                stride_po_h, stride_po_s, stride_pl_t, stride_pl_h,
+            )  # fmt: skip
     else:
         out_offs = token[:, None] * stride_out_t + q_head[:, None] * stride_out_h + offs_d[None, :]
         tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=own)
@@ -319,10 +330,13 @@ def _launch(
         part_lse = torch.empty(num_tokens, num_heads, cfg.num_splits, dtype=torch.float32, device=q.device)
     else:
         part_out, part_lse = out, out  # never touched without SPLIT_KV
+    merge_in_launch = split and cfg.merge_in_launch
+    grid_kv = num_kv_heads // cfg.kv_heads_per_program
+    counters = split_k_locks(q.device, num_seqs * grid_kv) if merge_in_launch else seq_lens  # else never touched
     fp32_dot = q.dtype == torch.float32 or (INTERPRET and q.dtype == torch.bfloat16)
     # Without one tile per sequence: an upper bound on query tiles (see _find_seq); surplus programs return at once.
     tiles = num_seqs if one_tile_per_seq else num_tokens // cfg.block_q + num_seqs
-    grid = (tiles, num_kv_heads // cfg.kv_heads_per_program, cfg.num_splits)
+    grid = (tiles, grid_kv, cfg.num_splits)
     _paged_attention_kernel[grid](
         out,
         q,
@@ -333,6 +347,7 @@ def _launch(
         block_tables,
         part_out,
         part_lse,
+        counters,
         scale * _LOG2E,
         num_seqs,
         cfg.num_splits,
@@ -364,6 +379,7 @@ def _launch(
         KV_HEADS_PADDED=triton.next_power_of_2(cfg.kv_heads_per_program),
         ONE_TILE_PER_SEQ=one_tile_per_seq,
         SPLIT_KV=split,
+        MERGE_IN_LAUNCH=merge_in_launch,
         SLIDING_WINDOW=sliding_window or 0,
         DOT_PRECISION="ieee" if fp32_dot else "tf32",
         INTERPRET=INTERPRET,
@@ -371,7 +387,7 @@ def _launch(
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    if split:
+    if split and not merge_in_launch:
         merge_attention_partials(
             part_out, part_lse, out, num_valid=query_start_loc[num_seqs:], heads_per_program=cfg.merge_heads_per_program
         )

@@ -50,7 +50,8 @@ class PagedAttentionConfig:
     num_warps: int
     num_stages: int
     num_splits: int = 1  # > 1: split-KV, each sequence's KV range over this many programs, then a merge
-    merge_heads_per_program: int = 1  # query heads per program of the split-KV merge (power of two)
+    merge_heads_per_program: int = 1  # query heads per program of the split-KV merge launch (power of two)
+    merge_in_launch: bool = True  # split-KV: the last split program of a tile merges; False: a merge launch
     # Sequences of at most short_queries.block_q queries (the decodes of a mixed step) run in a launch of their
     # own with this decode-shaped config, one program per sequence; this config's launch skips them. Without it
     # a decode next to a prefill chunk gets a whole prefill tile (128 rows) for its one token's GQA group.

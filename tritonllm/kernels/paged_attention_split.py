@@ -3,6 +3,10 @@
 Split s of a query row attended over its own slice of the keys and left o_s (softmax-normalised over that slice)
 and lse_s = log(sum of exp(scores) over the slice). The full softmax is the lse-weighted mix of the slices:
 out = sum_s exp(lse_s - lse) o_s with lse = log(sum_s exp(lse_s)). An empty slice has lse_s = -inf, weight 0.
+
+Two ways to run it: `merge_attention_partials`, a launch of its own after the attention kernel, or
+`merge_splits_in_launch`, called by the attention kernel itself, where the last of a tile's split programs to
+finish merges (no second launch: at batch 1 that launch costs about as much as the merge's work).
 """
 
 import torch
@@ -64,6 +68,54 @@ def _merge_attention_partials_kernel(
     out_offs = t64 * stride_out_t + offs_h[:, None] * stride_out_h + offs_d[None, :]
     out_mask = h_valid[:, None] & (offs_d[None, :] < HEAD_SIZE)
     tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def merge_splits_in_launch(
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    counter_ptr,
+    token,
+    q_head,
+    offs_d,
+    row_valid,
+    own,
+    num_splits,
+    stride_out_t,
+    stride_out_h,
+    stride_po_t,
+    stride_po_h,
+    stride_po_s,
+    stride_pl_t,
+    stride_pl_h,
+):
+    """Called by each split program of one tile after storing its partials: the last to arrive (counted at
+    `counter_ptr`, acq_rel at GPU scope after a CTA barrier, so every thread's stores precede the count) merges the
+    tile's rows in split order and sets the counter back to 0. Partials are read with .cg: from L2, past the SM's
+    non-coherent L1, where the other programs' stores are."""
+    tl.debug_barrier()
+    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+    if arrived == num_splits - 1:
+        m = tl.full(row_valid.shape, float("-inf"), dtype=tl.float32)
+        den = tl.zeros(row_valid.shape, dtype=tl.float32)
+        acc = tl.zeros(own.shape, dtype=tl.float32)
+        lse_ptrs = part_lse_ptr + token * stride_pl_t + q_head * stride_pl_h
+        po_ptrs = part_out_ptr + token[:, None] * stride_po_t + q_head[:, None] * stride_po_h + offs_d[None, :]
+        for s in range(0, num_splits):
+            lse = tl.load(lse_ptrs + s, mask=row_valid, other=float("-inf"), cache_modifier=".cg")
+            o = tl.load(po_ptrs + s * stride_po_s, mask=own, other=0.0, cache_modifier=".cg")
+            m_new = tl.maximum(m, lse)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing visible yet: weights 0, no inf - inf
+            alpha = tl.exp2((m - m_safe) * 1.4426950408889634)
+            w = tl.exp2((lse - m_safe) * 1.4426950408889634)
+            den = den * alpha + w
+            acc = acc * alpha[:, None] + w[:, None] * o
+            m = m_new
+        merged = acc / tl.where(den == 0.0, 1.0, den)[:, None]
+        out_offs = token[:, None] * stride_out_t + q_head[:, None] * stride_out_h + offs_d[None, :]
+        tl.store(out_ptr + out_offs, merged.to(out_ptr.dtype.element_ty), mask=own)
+        tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
 
 
 def merge_attention_partials(
