@@ -48,6 +48,40 @@ def test_incremental_decode_equals_full_decode(ids, cuts, skip):
     assert detok.token_ids == ids
 
 
+@given(
+    ids=id_lists,
+    cuts=st.lists(st.integers(0, 50), max_size=6),
+    reads=st.lists(st.booleans(), max_size=8),
+    skip=st.booleans(),
+    prompt=id_lists,
+)
+def test_lazy_decode_gives_the_same_text(ids, cuts, reads, skip, prompt):
+    # Lazy: nothing decoded per update, only when the text is read (at the end, or now and then).
+    tok = _tokenizer()
+    params = SamplingParams(skip_special_tokens=skip)
+    eager = IncrementalDetokenizer(tok, params, prompt)
+    lazy = IncrementalDetokenizer(tok, params, prompt, lazy=True)
+    chunks = _chunks(ids, cuts) or [[]]
+    shown = ""
+    for i, chunk in enumerate(chunks):
+        last = i == len(chunks) - 1
+        eager.update(chunk, finished=last)
+        assert lazy.update(chunk, finished=last) is None
+        if last or (reads and reads[i % len(reads)]):
+            shown += lazy.get_next_output_text(delta=True)
+    assert shown == lazy.output_text == eager.get_next_output_text(finished=True)
+    assert lazy.token_ids == eager.token_ids == ids
+
+
+def test_lazy_is_ignored_with_stop_strings():
+    tok = _tokenizer()
+    ids = tok.encode("Hello, the end", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, SamplingParams(stop=["the"]), lazy=True)
+    assert not detok.lazy
+    assert detok.update(ids, finished=True) == "the"
+    assert detok.get_next_output_text(finished=True) == "Hello, "
+
+
 @given(ids=id_lists, cuts=st.lists(st.integers(0, 50), max_size=6))
 def test_text_is_held_back_only_while_a_character_is_incomplete(ids, cuts):
     tok = _tokenizer()

@@ -7,6 +7,10 @@ the bytes of one character spread over several byte-level tokens), and keeps eac
 window's text ends in U+FFFD the last character is still incomplete, so nothing is emitted until more
 ids arrive (or the sequence finishes, which flushes whatever is there).
 
+Without stop strings, a detokenizer made with `lazy=True` (for requests whose text is only read at the end)
+decodes nothing per step: the window then holds every id since the last read, and the next read decodes it in
+one go, which gives the same text as decoding step by step.
+
 Stop strings are searched across chunk boundaries: the match chosen is the one that a reader going
 character by character would complete first, so the result does not depend on how text arrived. While
 streaming, a tail of the text that could still grow into a stop string is held back.
@@ -56,7 +60,8 @@ class IncrementalDetokenizer:
     """Text of one sequence as its tokens arrive.
 
     Call `update(new_token_ids)` after each step; it returns the stop string that ended the text, if any.
-    `output_text` is the text so far (cut at a stop string); `get_next_output_text` gives what may be shown.
+    `output_text` is the text so far (cut at a stop string; when lazy, as of the last read);
+    `get_next_output_text` gives what may be shown.
     """
 
     def __init__(
@@ -64,12 +69,14 @@ class IncrementalDetokenizer:
         tokenizer: Decoder,
         params: SamplingParams | None = None,
         prompt_token_ids: Sequence[int] = (),
+        lazy: bool = False,
     ):
         params = params or SamplingParams()
         self.tokenizer = tokenizer
         self.skip_special_tokens = params.skip_special_tokens
         self.stop: list[str] = list(params.stop or [])
         self.include_stop_str_in_output = params.include_stop_str_in_output
+        self.lazy = lazy and not self.stop  # stop strings are matched against the text as it grows
         self.token_ids: list[int] = []  # generated ids (all of them, decoded or not)
         self.output_text = ""
         self.stop_reason: str | None = None  # the stop string that ended the text
@@ -113,6 +120,8 @@ class IncrementalDetokenizer:
             new_token_ids = new_token_ids[:-1]
         self._ids.extend(new_token_ids)
         self.finished = finished or stop_terminated
+        if self.lazy:
+            return None  # decoded when the text is read
         new_text = self._decode_new(flush=self.finished)
         self.output_text += new_text
         if not self.stop or not new_text:
@@ -130,6 +139,8 @@ class IncrementalDetokenizer:
     def get_next_output_text(self, finished: bool = False, delta: bool = False) -> str:
         """Text that may be shown now: all of it once finished; while streaming, without a tail that could
         still become a stop string (which would be cut away). delta=True: only what was not handed out yet."""
+        if self.lazy:
+            self.output_text += self._decode_new(flush=self.finished)
         text = self.output_text
         if not (finished or self.finished) and self.stop and not self.include_stop_str_in_output:
             text = text[: len(text) - stop_prefix_len(text, self.stop)]

@@ -222,7 +222,9 @@ class LLMEngine:
         samples = {}
         for seq in group.seqs:
             samples[seq.seq_id] = SampleState(
-                detokenizer=IncrementalDetokenizer(self.tokenizer, params, ids),
+                detokenizer=IncrementalDetokenizer(
+                    self.tokenizer, params, ids, lazy=params.output_kind is RequestOutputKind.FINAL_ONLY
+                ),
                 logprobs=[] if params.logprobs is not None else None,
                 cumulative_logprob=0.0 if params.logprobs is not None else None,
             )
