@@ -15,6 +15,7 @@ from torch import nn
 
 from tritonllm.distributed.communication import tp_all_gather, tp_all_reduce
 from tritonllm.distributed.parallel_state import get_tp_group
+from tritonllm.models.layers.linear import linear
 from tritonllm.models.layers.weights import default_weight_loader
 
 
@@ -131,7 +132,7 @@ class ParallelLMHead(nn.Module):
             self.weight = _vocab_weight(self.shard, embedding_dim, params_dtype)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        logits = linear(hidden, self.weight)
         if self.shard.world_size == 1:
             return logits.float()
         logits = tp_all_gather(logits, dim=-1)  # [N, padded vocab], rank 0's rows first

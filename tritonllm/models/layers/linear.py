@@ -12,8 +12,28 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tritonllm.kernels.dense_gemv import dense_gemv
+from tritonllm.kernels.dense_gemv_config import use_dense_gemv
 from tritonllm.models.layers.sharding import LinearPartition, shard_loaders
 from tritonllm.quant.base import LinearMethod, QuantConfig, set_shard_axes
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y [..., N] = x [..., K] @ weight[N, K]^T (+ bias), as F.linear. A few rows on the GPU (decode) go through
+    the streaming GEMV kernel, which reads the weight closer to memory bandwidth than cuBLAS does there; every
+    other call, and every CPU run, is F.linear. The choice reads shapes, dtypes and strides only (no sync)."""
+    k = x.shape[-1]
+    rows = x.numel() // k if k else 0
+    if (
+        use_dense_gemv(rows, x.device, x.dtype)
+        and weight.dtype == x.dtype
+        and weight.stride(-1) == 1
+        and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous()))
+    ):
+        x2 = x.reshape(rows, k)
+        if x2.stride(-1) == 1:
+            return dense_gemv(x2, weight, bias).view(*x.shape[:-1], weight.shape[0])
+    return F.linear(x, weight, bias)
 
 
 def _shard_rows(output_sizes: list[int], shard_index: int | None) -> tuple[int, int]:
@@ -40,7 +60,7 @@ def make_row_loader(output_sizes: list[int]):
 
 
 class UnquantizedLinearMethod(LinearMethod):
-    """Dense weight [sum(output_sizes), input_size] in the model dtype; y = x @ W^T (+ b) through cuBLAS/torch."""
+    """Dense weight [sum(output_sizes), input_size] in the model dtype; y = x @ W^T (+ b) through `linear`."""
 
     def create_weights(
         self, layer: nn.Module, input_size: int, output_sizes: list[int], params_dtype: torch.dtype
@@ -51,7 +71,7 @@ class UnquantizedLinearMethod(LinearMethod):
         layer.register_parameter("weight", weight)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return F.linear(x, layer.weight, bias)
+        return linear(x, layer.weight, bias)
 
 
 class Linear(nn.Module):

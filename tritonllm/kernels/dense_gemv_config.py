@@ -1,0 +1,144 @@
+"""Launch heuristics of the dense GEMV (tritonllm/kernels/dense_gemv.py) and when linear layers use it.
+
+At a few rows a dense linear layer is bound by reading its weight once: what counts is enough bytes in flight
+to keep DRAM busy (several programs per SM, wide loads), not arithmetic. Two compute paths:
+  * CUDA cores (`use_dot=False`, the default up to 4 rows): a [BLOCK_M, BLOCK_N, BLOCK_K] fp32 accumulator in
+    registers. It keeps the weight load's register layout only when BLOCK_K covers a whole CTA's 16-byte loads
+    along K (`k_span`: 16 bytes x 32 lanes x warps), so no shared-memory layout conversion runs per tile; each
+    thread then holds BLOCK_M * BLOCK_N * BLOCK_K / (32 * warps) accumulators. Triton's software pipeline does
+    not touch these loads: num_stages > 1 instead loads each weight tile one iteration ahead, in registers.
+  * tl.dot (`use_dot=True`, up to 16 rows): the weight tile is the MMA's M side (BLOCK_N >= 16; 64 makes it one
+    wgmma per warpgroup), the rows padded to 16 its N side, and Triton's software pipeline keeps num_stages tiles
+    in flight through shared memory.
+Split-K fills the GPU when the N tiles alone are too few (its partial sums are added inside the launch): up to
+`_PROGRAMS_PER_SM` programs per SM for the CUDA-core path, one wave of resident programs for the tl.dot path,
+whose shared-memory stages allow only one or two per SM (more, shorter programs would leave its pipeline idle).
+
+On the interpreter every Triton op costs the same whatever its size, so its launch is the fewest, largest
+programs. Every decision reads Python ints only (shapes, the SM count), never tensor contents: launches are
+captured in CUDA graphs. `benchmarks/bench_gemv.py --sweep` times the alternatives on a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from tritonllm.platform import INTERPRET
+
+MAX_GEMV_ROWS = 16  # dense_gemv's limit: the rows fit one 16-row MMA tile
+# Linear layers take the GEMV kernel up to this many rows (x.numel() // K), F.linear (cuBLAS) beyond.
+DENSE_GEMV_MAX_ROWS = 8
+DENSE_GEMV_DTYPES = (torch.float16, torch.bfloat16)  # what linear layers send to it (fp32 stays on F.linear)
+MAX_TILE_NUMEL = 2**20  # Triton's largest tensor; the CUDA-core accumulator is BLOCK_M * BLOCK_N * BLOCK_K
+
+CUDA_CORE_MAX_ROWS = 4  # the heuristic's crossover to tl.dot (explicit configs take either path up to 16 rows)
+_PROGRAMS_PER_SM = 4  # CUDA-core path: split K below 2 programs per SM from the N tiles, up to this many
+_MIN_TILES_PER_SPLIT = 2
+_MAX_SPLIT_K = 16
+_SMEM_PER_SM = 228 * 1024  # Hopper; the tl.dot path's stages decide how many of its programs an SM holds
+
+
+@dataclass(slots=True, frozen=True)
+class GemvConfig:
+    block_n: int  # weight rows (output columns) per program
+    block_k: int  # K elements per tile
+    split_k: int  # programs along K (the last one to finish adds their fp32 partial sums)
+    num_warps: int
+    num_stages: int  # tl.dot: software-pipeline depth; CUDA cores: > 1 loads each weight tile one iteration ahead
+    use_dot: bool
+
+
+def block_m(m: int, use_dot: bool) -> int:
+    """Rows one program computes: M padded to a power of two, or to the 16-row MMA tile on the tl.dot path."""
+    return 16 if use_dot else triton.next_power_of_2(m)
+
+
+def k_span(dtype: torch.dtype, num_warps: int) -> int:
+    """K elements a CTA covers with one 16-byte load per thread: the CUDA-core path's smallest good BLOCK_K."""
+    return 16 // dtype.itemsize * 32 * num_warps
+
+
+@functools.lru_cache(maxsize=8)
+def num_sms(device_index: int = 0) -> int:
+    """Streaming multiprocessors of the GPU (132 on an H200); 1 under the interpreter, which runs programs in turn."""
+    if INTERPRET or not torch.cuda.is_available():
+        return 1
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def programs_wanted(cfg: GemvConfig, itemsize: int, sms: int) -> int:
+    """Programs the grid should reach: a few per SM on CUDA cores, one wave of resident tl.dot programs."""
+    if not cfg.use_dot:
+        return _PROGRAMS_PER_SM * sms
+    smem = cfg.num_stages * (cfg.block_n + 16) * cfg.block_k * itemsize  # weight + x tile per stage
+    return max(1, min(_SMEM_PER_SM // smem, 4)) * sms
+
+
+def auto_split_k(cfg: GemvConfig, n: int, k: int, itemsize: int, sms: int) -> int:
+    """Splits along K so the grid comes close to `programs_wanted` without passing it, each split at least two
+    K tiles long; none when the N tiles alone reach half the programs wanted."""
+    n_tiles = triton.cdiv(n, cfg.block_n)
+    wanted = programs_wanted(cfg, itemsize, sms)
+    if 2 * n_tiles >= wanted:
+        return 1
+    split = wanted // n_tiles  # rounded down: a last, partial wave would leave most SMs idle
+    return max(1, min(split, triton.cdiv(k, cfg.block_k) // _MIN_TILES_PER_SPLIT, _MAX_SPLIT_K))
+
+
+def _interpreter_config(m: int, n: int, k: int) -> GemvConfig:
+    block_n = min(max(triton.next_power_of_2(n), 16), 64)
+    block_k = min(max(triton.next_power_of_2(k), 16), 512)
+    return GemvConfig(block_n, block_k, 1, 4, 1, use_dot=m > CUDA_CORE_MAX_ROWS)  # one tl.dot, not an op per row
+
+
+@functools.lru_cache(maxsize=1024)  # called per launch: eager decode pays for every Python step
+def gemv_config(m: int, n: int, k: int, dtype: torch.dtype, num_sms: int, interpret: bool = INTERPRET) -> GemvConfig:
+    """The launch for y[m, n] = x[m, k] @ W[n, k]^T at 1 <= m <= 16 rows on a GPU of `num_sms` SMs."""
+    if interpret:
+        return _interpreter_config(m, n, k)
+    if m <= CUDA_CORE_MAX_ROWS:
+        # 4 warps, one 16-byte load per thread and row per tile (2 KB of each weight row), the next tile loaded
+        # one iteration ahead. 8 weight rows per program at one row, 4 beyond: 64-128 fp32 accumulators per
+        # thread, and each x row loaded feeds 4-8 weight rows.
+        warps = 4
+        cfg = GemvConfig(8 if m == 1 else 4, k_span(dtype, warps), 1, warps, 2, use_dot=False)
+    else:
+        # 64 weight rows (one wgmma per warpgroup), 256 bytes of each per tile, 4 stages: 80 KB of shared memory
+        # at 16 bits, two programs per SM.
+        cfg = GemvConfig(64, 256 // dtype.itemsize, 1, 4, 4, use_dot=True)
+    split = auto_split_k(cfg, n, k, dtype.itemsize, num_sms)
+    return GemvConfig(cfg.block_n, cfg.block_k, split, cfg.num_warps, cfg.num_stages, cfg.use_dot)
+
+
+def check_gemv_config(cfg: GemvConfig, m: int) -> None:
+    """Refuse a launch the kernel cannot run (a wrong explicit config), naming the field to change."""
+    if not isinstance(cfg, GemvConfig):
+        raise ValueError(f"config must be a GemvConfig, got {type(cfg).__name__}")
+    for name in ("block_n", "block_k", "num_warps"):
+        v = getattr(cfg, name)
+        if not isinstance(v, int) or v <= 0 or v & (v - 1):
+            raise ValueError(f"config.{name} must be a positive power of two, got {v!r}")
+    if cfg.num_warps > 16:
+        raise ValueError(f"config.num_warps must be at most 16, got {cfg.num_warps}")
+    for name in ("split_k", "num_stages"):
+        v = getattr(cfg, name)
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"config.{name} must be an int >= 1, got {v!r}")
+    if cfg.use_dot and min(cfg.block_n, cfg.block_k) < 16:
+        raise ValueError(f"tl.dot needs block_n and block_k >= 16, got {cfg.block_n} and {cfg.block_k}")
+    bm = block_m(m, cfg.use_dot)
+    if bm * cfg.block_n * cfg.block_k > MAX_TILE_NUMEL:
+        raise ValueError(
+            f"a {bm} x {cfg.block_n} x {cfg.block_k} tile exceeds Triton's {MAX_TILE_NUMEL} elements; "
+            "lower block_n or block_k"
+        )
+
+
+def use_dense_gemv(rows: int, device: torch.device, dtype: torch.dtype, interpret: bool = INTERPRET) -> bool:
+    """Whether a linear layer of `rows` input rows runs the GEMV kernel (else F.linear): compiled on a CUDA device,
+    fp16/bf16, 1..DENSE_GEMV_MAX_ROWS rows. The interpreter runs it only in the kernel's own tests."""
+    return not interpret and device.type == "cuda" and dtype in DENSE_GEMV_DTYPES and 1 <= rows <= DENSE_GEMV_MAX_ROWS
