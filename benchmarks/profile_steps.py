@@ -31,6 +31,7 @@ from bench_utils import bench_device, environment, log, markdown_table, write_re
 from e2e_setup import PRESETS, build_engine, write_model_dir  # noqa: E402
 
 from tritonllm.entrypoints.bench import synthetic_workload, warm_up  # noqa: E402
+from tritonllm.kernels import dense_gemv_config  # noqa: E402
 from tritonllm.sampling_params import SamplingParams  # noqa: E402
 
 TOP_KERNELS = 25
@@ -140,8 +141,8 @@ def offline_phase(engine, device, args) -> dict[str, Any]:
     wall = timed_steps(engine, args.steps)
     tokens = list(counter.tokens)
     steps, kernels = profiled_steps(engine, device, args.steps)
-    while engine.has_unfinished_requests():
-        engine.step()
+    for request_id in list(engine._requests):  # the rest of the workload is not needed
+        engine.abort_request(request_id)
     return phase_report("offline steps", wall, tokens, steps, kernels)
 
 
@@ -180,11 +181,16 @@ def main() -> None:
     p.add_argument("--offline-skip-steps", type=int, default=150, help="Offline steps run before the window.")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-model-len", type=int, default=None, help="Default: 4096 or the model's limit if lower.")
+    p.add_argument(
+        "--dense-gemv-max-rows", type=int, default=None, help="Override DENSE_GEMV_MAX_ROWS (0: F.linear always)."
+    )
     p.add_argument("--device", default=None)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
 
     device = bench_device(args.device)
+    if args.dense_gemv_max_rows is not None:
+        dense_gemv_config.DENSE_GEMV_MAX_ROWS = args.dense_gemv_max_rows
     results: dict[str, Any] = {"environment": environment(device), "preset": args.preset, "phases": []}
     with tempfile.TemporaryDirectory() as tmp:
         config = PRESETS[args.preset]

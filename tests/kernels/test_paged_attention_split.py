@@ -20,6 +20,8 @@ from tests.kernels.test_paged_attention import (
 )
 from tritonllm.kernels.paged_attention import paged_attention
 from tritonllm.kernels.paged_attention_config import (
+    _DECODE_PROGRAMS_PER_SM,
+    _MIN_WAVES,
     HOPPER_H200,
     AttentionTarget,
     PagedAttentionConfig,
@@ -183,13 +185,21 @@ def test_merge_matches_reference(num_tokens, num_heads, num_splits, head_size, h
 def test_num_splits_heuristic(num_programs, num_sms, max_seq_len, tile_n):
     n = choose_num_splits(num_programs, num_sms, max_seq_len, tile_n)
     assert 1 <= n <= 64
-    if num_programs >= num_sms:
-        assert n == 1  # the grid already fills the GPU
+    resident = _DECODE_PROGRAMS_PER_SM * num_sms
+    if num_sms <= num_programs <= resident or num_programs >= _MIN_WAVES * resident:
+        assert n == 1  # one wave that fills the GPU, or enough waves that the last one matters little
     if n > 1:
         assert n * tile_n * 2 <= max_seq_len  # every split of the longest sequence walks >= 2 KV tiles
-        assert num_programs * (n - 1) < 2 * num_sms  # no more splits than it takes to reach 2 programs per SM
-    # More sequences never ask for more splits; longer contexts never ask for fewer.
-    assert choose_num_splits(num_programs + 1, num_sms, max_seq_len, tile_n) <= n
+        if num_programs < num_sms:
+            assert num_programs * (n - 1) < 2 * num_sms  # no more splits than it takes to reach 2 programs per SM
+        else:
+            assert num_programs * (n - 1) < _MIN_WAVES * resident  # no more than it takes to pass _MIN_WAVES waves
+    if n < min(max_seq_len // (tile_n * 2), 64):  # not held back by the length: the grid got what it wanted
+        if num_programs < num_sms:
+            assert num_programs * n >= 2 * num_sms
+        elif num_programs > resident:
+            assert num_programs * n >= _MIN_WAVES * resident
+    # Longer contexts never ask for fewer splits.
     assert choose_num_splits(num_programs, num_sms, 2 * max_seq_len, tile_n) >= n
 
 

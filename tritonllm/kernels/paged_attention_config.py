@@ -13,6 +13,7 @@ contents: a CUDA graph captured with max_seq_len = max_model_len replays correct
 
 import dataclasses
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -98,11 +99,16 @@ _HOPPER_FP32: dict[tuple[int, str], _Tile] = {
 }
 
 # Split-KV: programs the grid should reach per SM, and KV tiles each split walks at least, so that the partial
-# round trip (fp32 [splits, D] per head, merged by a second kernel) stays small next to the K/V it saves.
-# TODO(bench): measured knobs; the sweep prints the best num_splits per (batch, context) to check them against.
+# round trip (fp32 [splits, D] per head, merged in the launch) stays small next to the K/V it saves.
 _SPLIT_PROGRAMS_PER_SM = 2
 _SPLIT_MIN_TILES = 2
 _MAX_SPLITS = 64
+# A grid of more than one wave of resident programs but fewer than about two finishes its last, part-empty wave
+# at a fraction of the bandwidth: on the H200 (`bench_attention.py --split-sweep`, head 128, context 4k-8k), 512
+# decode programs (1.3 waves) ran at 78-84% of copy bandwidth where 768-3072 ran at 92-103%. Such grids split
+# until they pass _MIN_WAVES waves. Resident decode programs per SM: 3 (70 KiB of shared memory each at D = 128).
+_DECODE_PROGRAMS_PER_SM = 3
+_MIN_WAVES = 1.9
 
 # Interpreter: tiles are nearly free there (numpy), ops and programs are not. Triton caps a tile at 2^20
 # elements, so rows x KV positions, rows x columns and KV positions x columns each stay within 1024 x 1024.
@@ -114,13 +120,20 @@ _INTERP_MAX_COLS = 1024  # kv heads x padded head size packed into one program
 def choose_num_splits(num_programs: int, num_sms: int, max_seq_len: int, tile_n: int) -> int:
     """KV splits per sequence for a launch of `num_programs` = num_seqs * num_kv_heads unsplit programs.
 
-    Split only while the grid is short of _SPLIT_PROGRAMS_PER_SM programs per SM, and never into splits shorter
-    than _SPLIT_MIN_TILES KV tiles of the longest sequence. Sequences shorter than max_seq_len leave their last
-    splits empty (they cost a launch, not a read), which is what a CUDA graph captured at max_model_len replays.
+    Split while the grid is short of _SPLIT_PROGRAMS_PER_SM programs per SM, or when it is between one and
+    _MIN_WAVES waves of resident programs (see above); never into splits shorter than _SPLIT_MIN_TILES KV tiles of
+    the longest sequence. Sequences shorter than max_seq_len leave their last splits empty (they cost a launch
+    slot, not a read), which is what a CUDA graph captured at max_model_len replays.
     """
-    if num_programs <= 0 or num_programs >= num_sms:
+    if num_programs <= 0:
         return 1
-    wanted = triton.cdiv(_SPLIT_PROGRAMS_PER_SM * num_sms, num_programs)
+    resident = _DECODE_PROGRAMS_PER_SM * num_sms
+    if num_programs < num_sms:
+        wanted = triton.cdiv(_SPLIT_PROGRAMS_PER_SM * num_sms, num_programs)
+    elif resident < num_programs < _MIN_WAVES * resident:
+        wanted = math.ceil(_MIN_WAVES * resident / num_programs)
+    else:
+        return 1
     by_length = max_seq_len // (tile_n * _SPLIT_MIN_TILES)
     return max(1, min(wanted, by_length, _MAX_SPLITS))
 
