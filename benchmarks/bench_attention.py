@@ -582,11 +582,14 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also sweep launch configs (a few more minutes)")
     parser.add_argument("--split-sweep", action="store_true", help="also time KV splits 1..8 at batch >= 32")
     parser.add_argument("--only-mixed", action="store_true", help="skip the decode and prefill tables")
+    parser.add_argument("--batches", default=None, help="comma-separated decode batch sizes (default: all)")
     parser.add_argument("--tiny", action="store_true", help="toy shapes: a smoke test that runs anywhere")
     parser.add_argument("--device", default=None)
     args = parser.parse_args()
     device = bench_device(args.device)
     shapes = TINY if args.tiny else Shapes()
+    if args.batches:
+        shapes = dataclasses.replace(shapes, batches=tuple(int(b) for b in args.batches.split(",")))
     dtype = torch.bfloat16
     copy_bytes = 4 << 30 if device.type == "cuda" else 64 << 20
     log(f"device {device}; copy bandwidth ...")

@@ -91,6 +91,39 @@ def test_forced_split_matches_reference(
     assert torch.equal(call(), out)
 
 
+@settings(max_examples=6)
+@given(
+    num_splits=st.sampled_from([5, 8, 13]),
+    extra=st.lists(st.integers(0, 40), min_size=1, max_size=3),
+    layout=small_layouts,
+    dtype=dtypes,
+    target=targets,
+    seed=seeds(),
+)
+def test_in_launch_merge_over_more_splits_than_one_read(num_splits, extra, layout, dtype, target, seed):
+    # Every split holds keys (16-key tiles, at least one per split), and there are more splits than the in-launch
+    # merge reads at a time: both merges must weigh every split.
+    b = make_batch([(16 * num_splits + e, 1) for e in extra], *layout, 64, 16, dtype, seed)
+    cfg = dataclasses.replace(plan(b, target or current_target(), None, num_splits), tile_n=16)
+    outs = [
+        paged_attention(
+            b.q,
+            b.k_cache,
+            b.v_cache,
+            b.query_start_loc,
+            b.seq_lens,
+            b.block_tables,
+            b.max_query_len,
+            b.max_seq_len,
+            b.scale,
+            config=dataclasses.replace(cfg, merge_in_launch=fused),
+        )  # fmt: skip
+        for fused in (True, False)
+    ]
+    assert_close(outs[0], reference(b), dtype=dtype)
+    assert_close(outs[0], outs[1], dtype=dtype)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @settings(max_examples=3)
 @given(

@@ -38,6 +38,7 @@ from tritonllm.platform import INTERPRET, check_kernel_device
 
 _MAX_HEAD_SIZE = 256
 _MAX_INT32 = 2**31 - 1
+_MERGE_CHUNK = 4  # splits the in-launch merge reads per step: [BLOCK_M, 4, D] fp32, 64 registers a thread at D=128
 _LOG2E = 1.4426950408889634
 
 
@@ -101,6 +102,8 @@ def _paged_attention_kernel(
     ONE_TILE_PER_SEQ: tl.constexpr,
     SPLIT_KV: tl.constexpr,
     MERGE_IN_LAUNCH: tl.constexpr,
+    MERGE_SPLITS_PADDED: tl.constexpr,
+    MERGE_CHUNK: tl.constexpr,
     SLIDING_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     INTERPRET: tl.constexpr,
@@ -222,7 +225,7 @@ def _paged_attention_kernel(
             merge_splits_in_launch(
                 out_ptr, part_out_ptr, part_lse_ptr, counters_ptr + seq * tl.num_programs(1) + tl.program_id(1),
                 token, q_head, offs_d, row_valid, own, num_splits, stride_out_t, stride_out_h, stride_po_t,
-                stride_po_h, stride_po_s, stride_pl_t, stride_pl_h,
+                stride_po_h, stride_po_s, stride_pl_t, stride_pl_h, MERGE_SPLITS_PADDED, MERGE_CHUNK,
             )  # fmt: skip
     else:
         out_offs = token[:, None] * stride_out_t + q_head[:, None] * stride_out_h + offs_d[None, :]
@@ -380,6 +383,8 @@ def _launch(
         ONE_TILE_PER_SEQ=one_tile_per_seq,
         SPLIT_KV=split,
         MERGE_IN_LAUNCH=merge_in_launch,
+        MERGE_SPLITS_PADDED=triton.next_power_of_2(cfg.num_splits),
+        MERGE_CHUNK=min(_MERGE_CHUNK, triton.next_power_of_2(cfg.num_splits)),
         SLIDING_WINDOW=sliding_window or 0,
         DOT_PRECISION="ieee" if fp32_dot else "tf32",
         INTERPRET=INTERPRET,

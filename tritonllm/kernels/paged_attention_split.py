@@ -89,29 +89,37 @@ def merge_splits_in_launch(
     stride_po_s,
     stride_pl_t,
     stride_pl_h,
+    SPLITS_PADDED: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):
     """Called by each split program of one tile after storing its partials: the last to arrive (counted at
     `counter_ptr`, acq_rel at GPU scope after a CTA barrier, so every thread's stores precede the count) merges the
-    tile's rows in split order and sets the counter back to 0. Partials are read with .cg: from L2, past the SM's
-    non-coherent L1, where the other programs' stores are."""
+    tile's rows and sets the counter back to 0. Partials are read with .cg: from L2, past the SM's non-coherent L1,
+    where the other programs' stores are. All splits' LSEs load at once; outputs CHUNK splits at a time, so a
+    merge of many splits waits on a few round trips to L2, not one per split."""
     tl.debug_barrier()
     arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
     if arrived == num_splits - 1:
-        m = tl.full(row_valid.shape, float("-inf"), dtype=tl.float32)
-        den = tl.zeros(row_valid.shape, dtype=tl.float32)
+        lse_rows = part_lse_ptr + token * stride_pl_t + q_head * stride_pl_h  # [BLOCK_M] row starts
+        offs_s = tl.arange(0, SPLITS_PADDED)
+        lse_mask = row_valid[:, None] & (offs_s[None, :] < num_splits)
+        lse = tl.load(lse_rows[:, None] + offs_s[None, :], mask=lse_mask, other=float("-inf"), cache_modifier=".cg")
+        lse_max = tl.max(lse, axis=1)
+        lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # no visible key at all: weights 0, output 0
+        den = tl.sum(tl.exp2((lse - lse_max[:, None]) * 1.4426950408889634), axis=1)
+
+        offs_c = tl.arange(0, CHUNK)
+        po_rows = part_out_ptr + token * stride_po_t + q_head * stride_po_h  # [BLOCK_M]
         acc = tl.zeros(own.shape, dtype=tl.float32)
-        lse_ptrs = part_lse_ptr + token * stride_pl_t + q_head * stride_pl_h
-        po_ptrs = part_out_ptr + token[:, None] * stride_po_t + q_head[:, None] * stride_po_h + offs_d[None, :]
-        for s in range(0, num_splits):
-            lse = tl.load(lse_ptrs + s, mask=row_valid, other=float("-inf"), cache_modifier=".cg")
-            o = tl.load(po_ptrs + s * stride_po_s, mask=own, other=0.0, cache_modifier=".cg")
-            m_new = tl.maximum(m, lse)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing visible yet: weights 0, no inf - inf
-            alpha = tl.exp2((m - m_safe) * 1.4426950408889634)
-            w = tl.exp2((lse - m_safe) * 1.4426950408889634)
-            den = den * alpha + w
-            acc = acc * alpha[:, None] + w[:, None] * o
-            m = m_new
+        for s0 in range(0, num_splits, CHUNK):
+            in_range = (s0 + offs_c) < num_splits  # [CHUNK]
+            w_mask = row_valid[:, None] & in_range[None, :]
+            lse_c = tl.load(lse_rows[:, None] + s0 + offs_c[None, :], mask=w_mask, other=float("-inf"),
+                            cache_modifier=".cg")  # fmt: skip
+            w = tl.exp2((lse_c - lse_max[:, None]) * 1.4426950408889634)  # [BLOCK_M, CHUNK]
+            o_ptrs = po_rows[:, None, None] + (s0 + offs_c)[None, :, None] * stride_po_s + offs_d[None, None, :]
+            o = tl.load(o_ptrs, mask=own[:, None, :] & in_range[None, :, None], other=0.0, cache_modifier=".cg")
+            acc += tl.sum(w[:, :, None] * o, axis=1)
         merged = acc / tl.where(den == 0.0, 1.0, den)[:, None]
         out_offs = token[:, None] * stride_out_t + q_head[:, None] * stride_out_h + offs_d[None, :]
         tl.store(out_ptr + out_offs, merged.to(out_ptr.dtype.element_ty), mask=own)
