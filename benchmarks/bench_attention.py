@@ -86,8 +86,10 @@ TINY = Shapes(
 def time_graph_ms(fn: Callable[[], object], device: torch.device, reps: int = 30) -> float:
     """Median milliseconds of one replay of `fn` captured in a CUDA graph, L2 flushed before each replay.
 
-    The flush (a 256 MiB memset, ~0.1 ms) keeps the GPU busy while the host enqueues the replay, so the events
-    time the kernels alone, with no launch gaps: how decode runs in the engine. Elsewhere: a wall-clock median.
+    The flush reads 256 MiB (~0.1 ms): it keeps the GPU busy while the host enqueues the replay, so the events time
+    the kernels alone, with no launch gaps, and it leaves L2 full of clean lines, as the weight reads before an
+    attention layer do (a memset would leave dirty lines whose write-back the timed kernel would pay for: ~12 us
+    for the H200's 50 MB L2, a third of a batch-32, 1k-context decode). Elsewhere: a wall-clock median.
     """
     if device.type != "cuda":
         return time_ms(fn, device, warmup_ms=1, rep_ms=20)
@@ -100,12 +102,12 @@ def time_graph_ms(fn: Callable[[], object], device: torch.device, reps: int = 30
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+    flush = torch.ones(64 << 20, dtype=torch.int32, device=device)
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     graph.replay()
     for start, end in zip(starts, ends, strict=True):
-        flush.zero_()
+        flush.sum()
         start.record()
         graph.replay()
         end.record()
