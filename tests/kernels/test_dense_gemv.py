@@ -185,8 +185,8 @@ def test_interpreter_launch_is_few_large_programs():
     ("rows", "device", "dtype", "interpret", "expected"),
     [
         (1, "cuda", torch.bfloat16, False, True),
-        (DENSE_GEMV_MAX_ROWS, "cuda", torch.float16, False, True),
-        (DENSE_GEMV_MAX_ROWS + 1, "cuda", torch.bfloat16, False, False),
+        (8, "cuda", torch.float16, False, True),
+        (9, "cuda", torch.bfloat16, False, False),
         (0, "cuda", torch.bfloat16, False, False),
         (1, "cuda", torch.float32, False, False),
         (1, "cpu", torch.bfloat16, False, False),
@@ -195,7 +195,10 @@ def test_interpreter_launch_is_few_large_programs():
     ],
 )
 def test_dispatch_rule(rows, device, dtype, interpret, expected):
-    assert use_dense_gemv(rows, torch.device(device), dtype, interpret) is expected
+    assert use_dense_gemv(rows, torch.device(device), dtype, interpret, max_rows=8) is expected
+    # The default limit (DENSE_GEMV_MAX_ROWS) is what linear layers use; 0 keeps them on F.linear.
+    default = use_dense_gemv(rows, torch.device(device), dtype, interpret)
+    assert default is (expected and rows <= DENSE_GEMV_MAX_ROWS)
 
 
 def test_linear_on_cpu_is_f_linear():

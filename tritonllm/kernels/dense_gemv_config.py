@@ -30,8 +30,12 @@ import triton
 from tritonllm.platform import INTERPRET
 
 MAX_GEMV_ROWS = 16  # dense_gemv's limit: the rows fit one 16-row MMA tile
-# Linear layers take the GEMV kernel up to this many rows (x.numel() // K), F.linear (cuBLAS) beyond.
-DENSE_GEMV_MAX_ROWS = 8
+# Linear layers take the GEMV kernel up to this many rows (x.numel() // K), F.linear (cuBLAS) beyond. 0: never.
+# On the H200 (bench_gemv.py, weights streamed past L2) cuBLAS reads these shapes at 62-99% of copy bandwidth at
+# M = 1..8 and the default launches here matched it on qkv, o and the LM head but trailed on gate_up and down
+# (M = 1: 61.5 vs 58.5 us, 35.8 vs 32.1 us); a batch-1 decode step took 5.34 ms with the kernel, 5.25 without.
+# Off until a launch table from `bench_gemv.py --sweep` beats cuBLAS per shape.
+DENSE_GEMV_MAX_ROWS = 0
 DENSE_GEMV_DTYPES = (torch.float16, torch.bfloat16)  # what linear layers send to it (fp32 stays on F.linear)
 MAX_TILE_NUMEL = 2**20  # Triton's largest tensor; the CUDA-core accumulator is BLOCK_M * BLOCK_N * BLOCK_K
 
@@ -138,7 +142,10 @@ def check_gemv_config(cfg: GemvConfig, m: int) -> None:
         )
 
 
-def use_dense_gemv(rows: int, device: torch.device, dtype: torch.dtype, interpret: bool = INTERPRET) -> bool:
+def use_dense_gemv(
+    rows: int, device: torch.device, dtype: torch.dtype, interpret: bool = INTERPRET, max_rows: int | None = None
+) -> bool:
     """Whether a linear layer of `rows` input rows runs the GEMV kernel (else F.linear): compiled on a CUDA device,
-    fp16/bf16, 1..DENSE_GEMV_MAX_ROWS rows. The interpreter runs it only in the kernel's own tests."""
-    return not interpret and device.type == "cuda" and dtype in DENSE_GEMV_DTYPES and 1 <= rows <= DENSE_GEMV_MAX_ROWS
+    fp16/bf16, 1..max_rows rows (default DENSE_GEMV_MAX_ROWS). The interpreter runs it only in the kernel's tests."""
+    limit = DENSE_GEMV_MAX_ROWS if max_rows is None else max_rows
+    return not interpret and device.type == "cuda" and dtype in DENSE_GEMV_DTYPES and 1 <= rows <= limit

@@ -109,6 +109,10 @@ _MAX_SPLITS = 64
 # until they pass _MIN_WAVES waves. Resident decode programs per SM: 3 (70 KiB of shared memory each at D = 128).
 _DECODE_PROGRAMS_PER_SM = 3
 _MIN_WAVES = 1.9
+# The last split program of a tile merges in the launch up to this many splits; more go to a merge launch, whose
+# programs read all splits in parallel. H200, head 128: batch 8 (5 splits) 0.8-0.9 -> 0.8-0.92 of SDPA's time in
+# the launch, batch 1 at 4k-8k (32 splits) 0.86-0.93 -> 0.77 (bench_attention.py).
+_MERGE_IN_LAUNCH_MAX_SPLITS = 8
 
 # Interpreter: tiles are nearly free there (numpy), ops and programs are not. Triton caps a tile at 2^20
 # elements, so rows x KV positions, rows x columns and KV positions x columns each stay within 1024 x 1024.
@@ -182,7 +186,12 @@ def paged_attention_config(
     budget = 1 << 18 if target.interpret else 8192
     merge_heads = triton.next_power_of_2(num_heads)
     merge_heads = min(merge_heads, max(1, budget // (triton.next_power_of_2(num_splits) * head_padded)))
-    return dataclasses.replace(cfg, num_splits=num_splits, merge_heads_per_program=merge_heads)
+    return dataclasses.replace(
+        cfg,
+        num_splits=num_splits,
+        merge_heads_per_program=merge_heads,
+        merge_in_launch=num_splits <= _MERGE_IN_LAUNCH_MAX_SPLITS,
+    )
 
 
 def _gpu_config(queries_per_kv: int, head_padded: int, dtype: torch.dtype, max_query_len: int) -> PagedAttentionConfig:
