@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 import tritonllm.models.layers.linear as linear_module
 from tests.helpers import DEVICE, TOLERANCES, dtypes, randn, seeds
+from tritonllm.kernels.arrival_counters import _COUNTERS
 from tritonllm.kernels.dense_gemv import dense_gemv, dense_gemv_ref
 from tritonllm.kernels.dense_gemv_config import (
     DENSE_GEMV_MAX_ROWS,
@@ -22,7 +23,6 @@ from tritonllm.kernels.dense_gemv_config import (
     k_span,
     use_dense_gemv,
 )
-from tritonllm.kernels.quant_gemm_common import _LOCKS
 
 # Small tiles so odd shapes span several N tiles, K tiles and splits; "auto" is the interpreter's own launch.
 PATHS = {"auto": None, "cuda": GemvConfig(16, 32, 1, 4, 1, False), "dot": GemvConfig(16, 32, 1, 4, 2, True)}
@@ -91,7 +91,7 @@ def test_split_k_is_deterministic_and_leaves_its_counters_zeroed(path):
     first = dense_gemv(x, w, bias, config=_config(path, 3))
     again = dense_gemv(x, w, bias, config=_config(path, 3))
     assert torch.equal(first, again)
-    assert _LOCKS and all(int(locks.abs().sum()) == 0 for locks in _LOCKS.values())
+    assert _COUNTERS and all(int(locks.abs().sum()) == 0 for locks in _COUNTERS.values())
     _assert_matches(first, x, w, bias)
     unsplit = dense_gemv(x, w, bias, config=_config(path, 1))
     torch.testing.assert_close(first, unsplit, atol=1e-5, rtol=1e-5)

@@ -11,6 +11,7 @@ from tritonllm.kernels.paged_attention import paged_attention, paged_attention_r
 from tritonllm.kernels.paged_attention_config import (
     HOPPER_H200,
     AttentionTarget,
+    PagedAttentionConfig,
     current_target,
     paged_attention_config,
 )
@@ -150,8 +151,11 @@ def run(
     target: AttentionTarget | None = None,
     num_splits: int | None = None,
     max_seq_len: int | None = None,
+    config: PagedAttentionConfig | None = None,
 ) -> torch.Tensor:
-    config = None if target is None else plan(b, target, sliding_window, num_splits, max_seq_len)
+    """paged_attention over the batch: with `config` as given, else planned for `target` (None: its own plan)."""
+    if config is None and target is not None:
+        config = plan(b, target, sliding_window, num_splits, max_seq_len)
     return paged_attention(
         b.q,
         b.k_cache,
@@ -262,11 +266,7 @@ def test_mixed_step_with_a_launch_for_short_queries(contexts, chunk, at, bound, 
         config = dataclasses.replace(config, short_queries=short)
     # The GPU plan adds the short launch whenever the prefill-shaped tile could hold a decode.
     assert config.short_queries is not None or b.max_query_len <= config.block_q
-    out = paged_attention(
-        b.q, b.k_cache, b.v_cache, b.query_start_loc, b.seq_lens, b.block_tables, b.max_query_len, b.max_seq_len,
-        b.scale, sliding_window=window, config=config,
-    )  # fmt: skip
-    assert_close(out, reference(b, window), dtype=dtype)
+    assert_close(run(b, window, config=config), reference(b, window), dtype=dtype)
 
 
 @given(seqs=sequences(max_seqs=2), block_size=block_sizes, dtype=dtypes, target=targets, seed=seeds())
@@ -381,10 +381,7 @@ def test_rejects_configs_that_cannot_run_the_batch():
     assert good.short_queries is not None
 
     def call(config):
-        return paged_attention(
-            b.q, b.k_cache, b.v_cache, b.query_start_loc, b.seq_lens, b.block_tables, b.max_query_len, b.max_seq_len,
-            b.scale, config=config,
-        )  # fmt: skip
+        return run(b, config=config)
 
     assert_close(call(good), reference(b), dtype=torch.float16)
     with pytest.raises(ValueError, match="powers of two"):

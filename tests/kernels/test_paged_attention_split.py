@@ -18,7 +18,7 @@ from tests.kernels.test_paged_attention import (
     targets,
     windows,
 )
-from tritonllm.kernels.paged_attention import paged_attention
+from tritonllm.kernels.arrival_counters import _COUNTERS
 from tritonllm.kernels.paged_attention_config import (
     _DECODE_PROGRAMS_PER_SM,
     _MIN_WAVES,
@@ -30,7 +30,6 @@ from tritonllm.kernels.paged_attention_config import (
     paged_attention_config,
 )
 from tritonllm.kernels.paged_attention_split import merge_attention_partials, merge_attention_partials_ref
-from tritonllm.kernels.quant_gemm_common import _LOCKS
 
 # (num_kv_heads, queries per kv head), kept small: the GPU plan launches num_seqs x Hk x num_splits programs.
 small_layouts = st.sampled_from([(1, 1), (2, 2), (1, 5), (2, 4)])
@@ -79,15 +78,12 @@ def test_forced_split_matches_reference(
         cfg = dataclasses.replace(cfg, tile_n=16)
 
     def call():
-        return paged_attention(
-            b.q, b.k_cache, b.v_cache, b.query_start_loc, b.seq_lens, b.block_tables, b.max_query_len,
-            b.max_seq_len, b.scale, sliding_window=window, config=cfg,
-        )  # fmt: skip
+        return run(b, window, config=cfg)
 
     out = call()
     assert_close(out, reference(b, window), dtype=dtype)
     # The in-launch merge leaves its arrival counters at zero, so the next launch merges exactly once again.
-    assert all(int(c.abs().sum()) == 0 for c in _LOCKS.values())
+    assert all(int(c.abs().sum()) == 0 for c in _COUNTERS.values())
     assert torch.equal(call(), out)
 
 
@@ -105,21 +101,7 @@ def test_in_launch_merge_over_more_splits_than_one_read(num_splits, extra, layou
     # merge reads at a time: both merges must weigh every split.
     b = make_batch([(16 * num_splits + e, 1) for e in extra], *layout, 64, 16, dtype, seed)
     cfg = dataclasses.replace(plan(b, target or current_target(), None, num_splits), tile_n=16)
-    outs = [
-        paged_attention(
-            b.q,
-            b.k_cache,
-            b.v_cache,
-            b.query_start_loc,
-            b.seq_lens,
-            b.block_tables,
-            b.max_query_len,
-            b.max_seq_len,
-            b.scale,
-            config=dataclasses.replace(cfg, merge_in_launch=fused),
-        )  # fmt: skip
-        for fused in (True, False)
-    ]
+    outs = [run(b, config=dataclasses.replace(cfg, merge_in_launch=fused)) for fused in (True, False)]
     assert_close(outs[0], reference(b), dtype=dtype)
     assert_close(outs[0], outs[1], dtype=dtype)
 
@@ -167,10 +149,7 @@ def test_long_queries_fall_back_to_one_split(context, extra, num_splits, dtype, 
         block_m=16, block_q=4, tile_n=32, kv_heads_per_program=1, num_warps=4, num_stages=2, num_splits=2
     )
     with pytest.raises(ValueError, match="one query tile"):
-        paged_attention(
-            b.q, b.k_cache, b.v_cache, b.query_start_loc, b.seq_lens, b.block_tables, b.max_query_len,
-            b.max_seq_len, b.scale, config=forced,
-        )  # fmt: skip
+        run(b, config=forced)
 
 
 @given(seqs=decode_batches(max_seqs=2), dtype=dtypes, num_splits=st.sampled_from([2, 3]), target=targets, seed=seeds())

@@ -8,8 +8,8 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from tests.helpers import DEVICE, assert_close, dtypes, randn, seeds
+from tritonllm.kernels.arrival_counters import _COUNTERS
 from tritonllm.kernels.quant_gemm import gptq_gemm, gptq_gemm_ref
-from tritonllm.kernels.quant_gemm_common import _LOCKS
 from tritonllm.kernels.quant_gemm_config import (
     HOPPER_TABLE,
     M_BUCKETS,
@@ -124,7 +124,7 @@ def test_split_k_is_deterministic_and_leaves_its_counters_zeroed(kind):
     first = gptq_gemm(x, qweight, qzeros, scales, 4, 32, config=_config(kind, 4))
     again = gptq_gemm(x, qweight, qzeros, scales, 4, 32, config=_config(kind, 4))
     assert torch.equal(first, again)
-    assert all(int(locks.abs().sum()) == 0 for locks in _LOCKS.values())
+    assert all(int(locks.abs().sum()) == 0 for locks in _COUNTERS.values())
     unsplit = gptq_gemm(x, qweight, qzeros, scales, 4, 32, config=_config(kind, 1))
     assert_close(first, unsplit, torch.float32)
 

@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tritonllm.kernels.arrival_counters import arrival_counters
 from tritonllm.kernels.dense_gemv_config import (
     MAX_GEMV_ROWS,
     GemvConfig,
@@ -28,7 +29,7 @@ from tritonllm.kernels.dense_gemv_config import (
     gemv_config,
     num_sms,
 )
-from tritonllm.kernels.quant_gemm_common import split_k_locks, store_output
+from tritonllm.kernels.quant_gemm_common import store_output
 from tritonllm.platform import INTERPRET, check_kernel_device
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -185,7 +186,7 @@ def dense_gemv(
     grid = (triton.cdiv(n, cfg.block_n), split_k)
     if split_k > 1:
         partial = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)  # [SPLIT_K, M, N]
-        locks = split_k_locks(x.device, grid[0])
+        locks = arrival_counters(x.device, grid[0])
     else:
         partial = locks = out2  # unused pointers
     _dense_gemv_kernel[grid](

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tritonllm.kernels.arrival_counters import arrival_counters
 from tritonllm.kernels.kv_cache import check_cache_pair
 from tritonllm.kernels.paged_attention_config import (
     PagedAttentionConfig,
@@ -33,7 +34,6 @@ from tritonllm.kernels.paged_attention_config import (
     paged_attention_config,
 )
 from tritonllm.kernels.paged_attention_split import merge_attention_partials, merge_splits_in_launch
-from tritonllm.kernels.quant_gemm_common import split_k_locks
 from tritonllm.platform import INTERPRET, check_kernel_device
 
 _MAX_HEAD_SIZE = 256
@@ -335,7 +335,7 @@ def _launch(
         part_out, part_lse = out, out  # never touched without SPLIT_KV
     merge_in_launch = split and cfg.merge_in_launch
     grid_kv = num_kv_heads // cfg.kv_heads_per_program
-    counters = split_k_locks(q.device, num_seqs * grid_kv) if merge_in_launch else seq_lens  # else never touched
+    counters = arrival_counters(q.device, num_seqs * grid_kv) if merge_in_launch else seq_lens  # else never touched
     fp32_dot = q.dtype == torch.float32 or (INTERPRET and q.dtype == torch.bfloat16)
     # Without one tile per sequence: an upper bound on query tiles (see _find_seq); surplus programs return at once.
     tiles = num_seqs if one_tile_per_seq else num_tokens // cfg.block_q + num_seqs

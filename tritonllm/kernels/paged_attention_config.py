@@ -174,12 +174,12 @@ def paged_attention_config(
         cfg = _gpu_config(queries_per_kv, head_padded, dtype, max_query_len)
     if max_query_len > cfg.block_q:
         # Query tiles of one sequence cannot share partial buffers: no split-KV.
-        return cfg if target.interpret else _with_short_queries(cfg, queries_per_kv, head_padded, dtype, max_query_len)
+        return _with_short_queries(cfg, target, queries_per_kv, head_padded, dtype, max_query_len)
     if num_splits is None:
         programs = num_seqs * triton.cdiv(num_kv_heads, cfg.kv_heads_per_program)
         num_splits = 1 if target.interpret else choose_num_splits(programs, target.num_sms, max_seq_len, cfg.tile_n)
     if num_splits == 1:
-        return cfg if target.interpret else _with_short_queries(cfg, queries_per_kv, head_padded, dtype, max_query_len)
+        return _with_short_queries(cfg, target, queries_per_kv, head_padded, dtype, max_query_len)
     if target.interpret:
         cfg = _interpreter_config(*shape, num_splits=num_splits)  # shorter KV tiles, so each split gets some
     # Partial elements per merge program: ~8K on a GPU (registers); up to 2^18 under the interpreter (few programs).
@@ -214,9 +214,17 @@ def _gpu_config(queries_per_kv: int, head_padded: int, dtype: torch.dtype, max_q
 
 
 def _with_short_queries(
-    cfg: PagedAttentionConfig, queries_per_kv: int, head_padded: int, dtype: torch.dtype, max_query_len: int
+    cfg: PagedAttentionConfig,
+    target: AttentionTarget,
+    queries_per_kv: int,
+    head_padded: int,
+    dtype: torch.dtype,
+    max_query_len: int,
 ) -> PagedAttentionConfig:
-    """cfg plus a decode-tiled launch for the short queries, where cfg's tile is a prefill one that may see some."""
+    """cfg plus a decode-tiled launch for the short queries, where cfg's tile is a GPU prefill one that may see
+    some (the interpreter's single launch already sizes its tile to the batch)."""
+    if target.interpret:
+        return cfg
     short = _gpu_config(queries_per_kv, head_padded, dtype, max_query_len=1)
     if short.block_q >= min(cfg.block_q, max_query_len):
         return cfg

@@ -22,8 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
+from tritonllm.kernels.arrival_counters import arrival_counters
 from tritonllm.kernels.quant_dequant import gptq_dequantize_ref
-from tritonllm.kernels.quant_gemm_common import group_params, magic, split_k_locks, store_output
+from tritonllm.kernels.quant_gemm_common import group_params, magic, store_output
 from tritonllm.kernels.quant_gemm_config import QuantGemmConfig, check_config, num_sms, quant_gemm_config
 from tritonllm.kernels.quant_gemv import _quant_gemv_kernel
 from tritonllm.platform import INTERPRET, check_kernel_device
@@ -183,7 +184,7 @@ def _launch(x, qweight, qzeros, scales, perm, bias, n, bits, group_size, zero_of
     grid = (m_tiles, triton.cdiv(n, cfg.block_n), split_k)
     if split_k > 1:
         partial = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)  # [SPLIT_K, M, N]
-        locks = split_k_locks(x.device, grid[0] * grid[1])
+        locks = arrival_counters(x.device, grid[0] * grid[1])
     else:
         partial = locks = out  # unused pointers
     args = (

@@ -1,5 +1,5 @@
 """Device code shared by the fused quantized GEMM kernels (quant_gemm.py, quant_gemv.py): dequantization pieces
-and the output stage (bias, cast, split-K reduction).
+and the output stage (bias, cast, split-K reduction), which the dense GEMV (dense_gemv.py) uses too.
 
 Dequantization without int->float conversions (a quarter-rate instruction on Hopper): an integer i < 2^23 OR-ed
 into the mantissa of 2^23 (bits 0x4B000000) reads as the fp32 2^23 + i exactly, so (2^23 + q) - (2^23 + z) is
@@ -9,18 +9,12 @@ Split-K without a second launch: each of a tile's SPLIT_K programs stores its fp
 [SPLIT_K, M, N], then increments the tile's arrival counter (acq_rel, GPU scope, after a CTA barrier so every
 thread's stores precede it). The program that sees the count SPLIT_K - 1 arrived last: it reads all partials
 (.cg: from L2, past the SM's non-coherent L1), adds them in split order, so the sum does not depend on the order
-programs finished in, adds the bias, writes y and sets the counter back to 0. Counters are left zeroed after
-every launch, so one buffer per device is allocated once and reused; a buffer that grows keeps the old one
-alive, since CUDA graphs captured earlier still point at it. Two split-K launches must not run concurrently on
-different streams of one device (they would share counters).
+programs finished in, adds the bias, writes y and sets the counter back to 0. The counters come from
+arrival_counters.py.
 """
 
-import torch
 import triton
 import triton.language as tl
-
-_LOCKS: dict[torch.device, torch.Tensor] = {}
-_RETIRED: list[torch.Tensor] = []  # outgrown counter buffers that captured graphs may still use
 
 
 @triton.jit
@@ -51,23 +45,6 @@ def group_params(
 def magic(i):
     """2^23 + i as fp32, exactly, for int32 0 <= i < 2^23 (0x4B000000 is 2^23's bit pattern)."""
     return (i | 0x4B000000).to(tl.float32, bitcast=True)
-
-
-def split_k_locks(device: torch.device, count: int) -> torch.Tensor:
-    """A zeroed int32 buffer of at least `count` arrival counters on `device`, kept for reuse."""
-    locks = _LOCKS.get(device)
-    if locks is not None and locks.numel() >= count:
-        return locks
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(
-            "the split-K quantized GEMM needs its counter buffer allocated before CUDA graph capture: run the "
-            "model once eagerly at the captured batch sizes first (the graph runner's warm-up does)"
-        )
-    if locks is not None:
-        _RETIRED.append(locks)
-    locks = torch.zeros(max(4096, triton.next_power_of_2(count)), dtype=torch.int32, device=device)
-    _LOCKS[device] = locks
-    return locks
 
 
 @triton.jit
