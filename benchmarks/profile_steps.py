@@ -112,8 +112,7 @@ def phase_report(name: str, wall: list[float], tokens: list[int], steps: int, ke
     return result
 
 
-def decode_phase(engine, device, args) -> dict[str, Any]:
-    counter = StepCounter(engine)
+def decode_phase(engine, device, args, counter: StepCounter) -> dict[str, Any]:
     g = torch.Generator().manual_seed(args.seed)
     prompt = torch.randint(0, engine.model_config.vocab_size, (args.prompt_len,), generator=g).tolist()
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=4 + 3 * args.steps)
@@ -128,20 +127,21 @@ def decode_phase(engine, device, args) -> dict[str, Any]:
     return phase_report("batch-1 decode", wall, tokens, steps, kernels)
 
 
-def offline_phase(engine, device, args) -> dict[str, Any]:
+def offline_phase(engine, device, args, counter: StepCounter) -> dict[str, Any]:
     vocab = engine.model_config.vocab_size
     warm_up(engine, synthetic_workload(16, args.input_len, 8, 0.5, vocab, args.seed + 1), 16)
-    counter = StepCounter(engine)
-    for r in synthetic_workload(args.num_prompts, args.input_len, args.output_len, 0.5, vocab, args.seed):
+    request_ids = [
         engine.add_request(
             None, r.prompt_token_ids, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=r.output_len)
         )
+        for r in synthetic_workload(args.num_prompts, args.input_len, args.output_len, 0.5, vocab, args.seed)
+    ]
     timed_steps(engine, args.offline_skip_steps)  # fill the batch
     counter.tokens.clear()
     wall = timed_steps(engine, args.steps)
     tokens = list(counter.tokens)
     steps, kernels = profiled_steps(engine, device, args.steps)
-    for request_id in list(engine._requests):  # the rest of the workload is not needed
+    for request_id in request_ids:  # the rest of the workload is not needed
         engine.abort_request(request_id)
     return phase_report("offline steps", wall, tokens, steps, kernels)
 
@@ -201,8 +201,9 @@ def main() -> None:
         )
         log(f"engine up in {start['total_s']:.1f} s")
         phases = {"decode": decode_phase, "offline": offline_phase}
+        counter = StepCounter(engine)
         for name in args.phases.split(","):
-            results["phases"].append(phases[name](engine, device, args))
+            results["phases"].append(phases[name](engine, device, args, counter))
     write_results(args.out, "profile", results, render(results))
 
 
