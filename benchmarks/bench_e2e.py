@@ -145,6 +145,7 @@ def engine_kwargs(args) -> dict[str, Any]:
     return {
         "max_model_len": args.max_model_len,
         "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
         "gpu_memory_utilization": args.gpu_memory_utilization,
         "enforce_eager": args.enforce_eager,
         "seed": args.seed,
@@ -158,7 +159,8 @@ def report(results: dict[str, Any], args) -> str:
         f"{env['device']} · torch {env['torch']} · triton {env['triton']} · commit {env.get('commit', '?')} · "
         f"{env['date']}",
         f"Copy bandwidth (read + write): **{results['copy_bandwidth_gbs']:,.0f} GB/s**. "
-        f"max_model_len {args.max_model_len}, max_num_seqs {args.max_num_seqs}.",
+        f"max_model_len {args.max_model_len}, max_num_seqs {args.max_num_seqs}, "
+        f"max_num_batched_tokens {args.max_num_batched_tokens or 'default'}.",
     ]
     variants = results["variants"]
     offline = [(n, v["offline"]) for n, v in variants.items() if "offline" in v]
@@ -352,6 +354,9 @@ def parse_args() -> argparse.Namespace:
         "--max-model-len", type=int, default=None, help="Engine context length (default 4096; the workload needs 650)."
     )
     p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument(
+        "--max-num-batched-tokens", type=int, default=None, help="Token budget per step (default: the engine's)."
+    )
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--enforce-eager", action="store_true", help="No CUDA graphs anywhere.")
     p.add_argument("--quant-offline", action="store_true", help="Also run the offline workload on AWQ and GPTQ.")
