@@ -122,7 +122,7 @@ def run_variant(name: str, model_dir: Path, device, args, bandwidth: float, work
             steps["all"] += 1
             runner = engine.runner
             steps["graph"] += any(
-                g is not None and g.can_run(out, *rest) for g in (runner.decode_graphs, runner.mixed_graphs)
+                g is not None and g.can_run(out, *rest[:1]) for g in (runner.decode_graphs, runner.mixed_graphs)
             )
             return execute(out, *rest)
 
@@ -148,6 +148,7 @@ def engine_kwargs(args) -> dict[str, Any]:
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "gpu_memory_utilization": args.gpu_memory_utilization,
         "enforce_eager": args.enforce_eager,
+        "async_scheduling": args.async_scheduling,
         "seed": args.seed,
     }
 
@@ -160,7 +161,8 @@ def report(results: dict[str, Any], args) -> str:
         f"{env['date']}",
         f"Copy bandwidth (read + write): **{results['copy_bandwidth_gbs']:,.0f} GB/s**. "
         f"max_model_len {args.max_model_len}, max_num_seqs {args.max_num_seqs}, "
-        f"max_num_batched_tokens {args.max_num_batched_tokens or 'default'}.",
+        f"max_num_batched_tokens {args.max_num_batched_tokens or 'default'}, "
+        f"async scheduling {'on' if args.async_scheduling else 'off'}.",
     ]
     variants = results["variants"]
     offline = [(n, v["offline"]) for n, v in variants.items() if "offline" in v]
@@ -359,6 +361,9 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--enforce-eager", action="store_true", help="No CUDA graphs anywhere.")
+    p.add_argument(
+        "--async-scheduling", action=argparse.BooleanOptionalAction, default=True, help="The engine's default: on."
+    )
     p.add_argument("--quant-offline", action="store_true", help="Also run the offline workload on AWQ and GPTQ.")
     p.add_argument("--device", default=None, help="Default: cuda when available.")
     p.add_argument("--seed", type=int, default=0)

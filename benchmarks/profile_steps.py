@@ -181,6 +181,7 @@ def main() -> None:
     p.add_argument("--offline-skip-steps", type=int, default=150, help="Offline steps run before the window.")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="Default: the engine's.")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--max-model-len", type=int, default=None, help="Default: 4096 or the model's limit if lower.")
     p.add_argument(
         "--dense-gemv-max-rows", type=int, default=None, help="Override DENSE_GEMV_MAX_ROWS (0: F.linear always)."
@@ -203,6 +204,7 @@ def main() -> None:
             max_model_len=args.max_model_len,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
+            async_scheduling=args.async_scheduling,
             seed=args.seed,
         )
         log(f"engine up in {start['total_s']:.1f} s")

@@ -115,8 +115,9 @@ def test_prompt_logprobs_skip_the_prefix_cache(seed):
 @fresh_thread
 def test_prompt_logprobs_survive_preemption(seed):
     """6 blocks of 4 tokens for three requests: the newest is preempted halfway through its prompt, then again
-    after it (its logprobs all recorded). Prompt logprobs come out complete and right, each position once."""
-    engine = make_engine(num_gpu_blocks=6, max_num_batched_tokens=6)
+    after it (its logprobs all recorded). Prompt logprobs come out complete and right, each position once.
+    Synchronous scheduling: the step-by-step timeline above is what the test sets up."""
+    engine = make_engine(num_gpu_blocks=6, max_num_batched_tokens=6, async_scheduling=False)
     prompts = {
         "older": random_prompt(seed, 7),
         "first": random_prompt(seed + 1, 7),

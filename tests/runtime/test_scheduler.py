@@ -35,7 +35,9 @@ class FakeRunner:
     def __init__(self, num_blocks: int, block_size: int):
         self.kv: list[tuple[int, int] | None] = [None] * (num_blocks * block_size)
 
-    def execute(self, out: SchedulerOutput) -> list[int]:
+    def execute(self, out: SchedulerOutput, previous_tokens: list[int] | None = None) -> list[int]:
+        """The sampled tokens; a continuation reads its input tokens from `previous_tokens` (the samples of the
+        step it follows, not yet applied), as the GPU does."""
         bs = out.block_size
         blocks = {src: self.kv[src * bs : (src + 1) * bs] for src, _ in out.block_copies}
         for src, dst in out.block_copies:
@@ -44,7 +46,11 @@ class FakeRunner:
         def slot(entry, p):
             return entry.block_table[p // bs] * bs + p % bs
 
-        for e in out.scheduled:  # a layer writes every new token's KV, then attends
+        for i, e in enumerate(out.scheduled):  # a layer writes every new token's KV, then attends
+            if out.is_continuation:
+                assert e.num_new_tokens == 1 and e.num_computed_tokens == e.seq.num_tokens  # its token is pending
+                self.kv[slot(e, e.num_computed_tokens)] = (previous_tokens[out.pending_token_rows[i]], e.seq_len - 1)
+                continue
             for p, token in enumerate(e.new_token_ids, start=e.num_computed_tokens):
                 self.kv[slot(e, p)] = (token, p)
         return [next_token([self.kv[slot(e, p)] for p in range(e.seq_len)], e.seq.sample_index) for e in out.sampled]
@@ -71,7 +77,8 @@ def check_step(sched: Scheduler, out: SchedulerOutput) -> None:
     assert len({e.seq.seq_id for e in out.scheduled}) == len(out.scheduled)
     for e in out.scheduled:
         assert e.seq.status is SequenceStatus.RUNNING and e.num_new_tokens >= 1
-        assert e.sampled == (e.seq_len == e.seq.num_tokens)
+        # A continuation's sequence lacks the one token the step before is sampling.
+        assert e.sampled == (e.seq_len == e.seq.num_tokens + out.is_continuation)
         assert len(e.block_table) == bm.num_blocks_for(e.seq_len)
         if cfg.long_prefill_token_threshold:
             assert e.num_new_tokens <= cfg.long_prefill_token_threshold
@@ -80,24 +87,35 @@ def check_step(sched: Scheduler, out: SchedulerOutput) -> None:
     assert bm.get_num_free_blocks() + len(owners) == bm.num_blocks
 
 
-def run_engine(cfg: SchedulerConfig, requests, aborts=(), max_steps=5000):
-    """Continuous batching with requests arriving at their step; returns outputs per request and a log."""
+def run_engine(cfg: SchedulerConfig, requests, aborts=(), max_steps=5000, asynchronous=False):
+    """Continuous batching with requests arriving at their step; returns outputs per request and a log.
+    asynchronous: as the engine with asynchronous scheduling, each step may be followed by a continuation
+    scheduled and run before the step's tokens are applied."""
     sched, runner = Scheduler(cfg), FakeRunner(cfg.num_blocks, cfg.block_size)
     groups, log = {}, Counter()
     step = 0
-    while step <= max(r[3] for r in requests) or sched.has_unfinished_requests():
+    ahead = None  # a continuation and its tokens, run before the step it follows was applied
+    while step <= max(r[3] for r in requests) or sched.has_unfinished_requests() or ahead:
         for rid, prompt, params, arrival in requests:
             if arrival == step:
                 groups[rid] = sched.add_request(rid, prompt, params)
         for rid, at in aborts:
             if at == step:
                 sched.abort_request(rid)
-        out = sched.schedule()
-        check_step(sched, out)
+        if ahead is None:
+            out = sched.schedule()
+            check_step(sched, out)
+            tokens = runner.execute(out)
+        else:
+            (out, tokens), ahead = ahead, None
         log["preempted"] += len(out.preempted_seq_ids)
         log["copies"] += len(out.block_copies)
         log["chunks"] += sum(1 for e in out.scheduled if not e.sampled)
-        sched.update_from_output(out, runner.execute(out))
+        if asynchronous and (following := sched.schedule_continuation(out)) is not None:
+            check_step(sched, following)
+            ahead = (following, runner.execute(following, tokens))
+            log["continuations"] += 1
+        sched.update_from_output(out, tokens)
         for e in out.sampled:  # the engine's own stop check
             if not e.seq.is_finished and e.seq.token_ids[-1] == EOS:
                 sched.finish_sequence(e.seq)
@@ -147,8 +165,10 @@ def workloads(draw):
 def test_continuous_batching_matches_running_alone(workload):
     cfg, requests, aborts = workload
     results = {}
-    for caching in (True, False):
-        outputs, groups, _ = run_engine(SchedulerConfig(**cfg, enable_prefix_caching=caching), requests, aborts)
+    for caching, asynchronous in ((True, False), (False, False), (True, True)):
+        outputs, groups, _ = run_engine(
+            SchedulerConfig(**cfg, enable_prefix_caching=caching), requests, aborts, asynchronous=asynchronous
+        )
         for rid, prompt, params, _ in requests:
             expected = expected_outputs(prompt, params, cfg["max_model_len"])
             for seq, want in zip(groups[rid].seqs, expected, strict=True):
@@ -162,9 +182,10 @@ def test_continuous_batching_matches_running_alone(workload):
                         SequenceStatus.FINISHED_LENGTH if by_length else SequenceStatus.FINISHED_STOPPED
                     )
         aborted = {rid for rid, g in groups.items() if any(x.status is SequenceStatus.FINISHED_ABORTED for x in g.seqs)}
-        results[caching] = {rid: out for rid, out in outputs.items() if rid not in aborted}
-    both = results[True].keys() & results[False].keys()  # an abort may land before or after the end
-    assert {r: results[True][r] for r in both} == {r: results[False][r] for r in both}
+        results[caching, asynchronous] = {rid: out for rid, out in outputs.items() if rid not in aborted}
+    # An abort may land before or after the end.
+    finished = set.intersection(*(set(r) for r in results.values()))
+    assert len({repr({r: out[r] for r in sorted(finished)}) for out in results.values()}) == 1
 
 
 def test_engine_loop_exercises_chunking_preemption_prefix_cache_and_cow():
@@ -374,7 +395,7 @@ def test_misuse_is_reported():
     with pytest.raises(ValueError, match="one per SchedulerOutput.sampled"):
         sched.update_from_output(out, [])
     sched.update_from_output(out, [4])
-    with pytest.raises(ValueError, match="latest schedule"):
+    with pytest.raises(ValueError, match="oldest scheduled step"):
         sched.update_from_output(out, [4])
     with pytest.raises(ValueError, match=">= 1"):
         SchedulerConfig(max_model_len=64, num_blocks=0)
@@ -392,3 +413,102 @@ def test_stats():
     assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (18, 8)
     assert stats.prefix_cache_hit_rate == pytest.approx(8 / 18)
     assert stats.kv_cache_usage == pytest.approx(0.3)
+
+
+# ---- asynchronous scheduling: continuations ------------------------------------------------------------
+
+
+def test_continuations_decode_the_pending_tokens_until_the_length_limit():
+    sched = Scheduler(SchedulerConfig(max_model_len=64, num_blocks=8, block_size=4))
+    (seq,) = sched.add_request("r", [11, 12, 13], Params(max_tokens=4)).seqs
+    out = sched.schedule()
+    tokens = iter([21, 22, 23, 24])
+    steps = 0
+    while (following := sched.schedule_continuation(out)) is not None:
+        (entry,) = following.scheduled
+        # The token `out` samples goes to position seq_len of `out`; its block exists before the update.
+        assert following.pending_token_rows == [0] and entry.num_new_tokens == 1 and entry.sampled
+        assert entry.num_computed_tokens == out.scheduled[0].seq_len == seq.num_tokens
+        assert len(seq.block_table) == sched.block_manager.num_blocks_for(entry.seq_len)
+        with pytest.raises(ValueError, match="oldest scheduled step"):
+            sched.update_from_output(following, [0])
+        sched.update_from_output(out, [next(tokens)])
+        out, steps = following, steps + 1
+    sched.update_from_output(out, [next(tokens)])
+    # The prefill and three continuations; the fourth token ends the request, so nothing continues it.
+    assert steps == 3 and seq.output_token_ids == [21, 22, 23, 24] and seq.status is SequenceStatus.FINISHED_LENGTH
+    assert sched.block_manager.get_num_free_blocks() == 8 and not sched.has_unfinished_requests()
+
+
+def test_continuation_leaves_out_sequences_that_end_by_length():
+    sched = Scheduler(SchedulerConfig(max_model_len=64, num_blocks=8, block_size=4))
+    short = sched.add_request("short", [1, 2], Params(max_tokens=1)).seqs[0]
+    long = sched.add_request("long", [3, 4], Params(max_tokens=5)).seqs[0]
+    out = sched.schedule()
+    following = sched.schedule_continuation(out)
+    assert [e.seq for e in following.scheduled] == [long] and following.pending_token_rows == [1]
+    sched.update_from_output(out, [5, 6])
+    assert short.status is SequenceStatus.FINISHED_LENGTH and long.token_ids == [3, 4, 6]
+    sched.update_from_output(following, [7])
+    assert long.token_ids == [3, 4, 6, 7] and long.num_computed_tokens == 3
+
+
+def test_a_sequence_stopped_while_its_continuation_ran_keeps_no_extra_token():
+    sched = Scheduler(SchedulerConfig(max_model_len=64, num_blocks=8, block_size=4))
+    (seq,) = sched.add_request("r", [1, 2, 3], Params(max_tokens=10)).seqs
+    out = sched.schedule()
+    following = sched.schedule_continuation(out)
+    sched.update_from_output(out, [EOS])
+    sched.finish_sequence(seq)  # the engine's stop check: EOS
+    assert sched.block_manager.get_num_free_blocks() == 8
+    assert sched.schedule_continuation(following) is None  # nothing runs on
+    sched.update_from_output(following, [9])
+    assert seq.output_token_ids == [EOS] and seq.num_computed_tokens == 3 and seq.status.is_finished
+
+
+def test_continuation_declines_when_the_batch_could_change():
+    def started(**cfg):
+        sched = Scheduler(SchedulerConfig(**{"max_model_len": 64, "num_blocks": 8, "block_size": 4, **cfg}))
+        sched.add_request("r", [1, 2, 3, 4], Params(max_tokens=10))
+        return sched, sched.schedule()
+
+    sched, out = started()
+    sched.add_request("late", [5, 6], Params(max_tokens=2))  # waits for admission: only schedule() admits
+    assert sched.schedule_continuation(out) is None
+
+    sched, out = started(max_num_batched_tokens=2)  # a prefill chunk: the next step is more prompt
+    assert not out.scheduled[0].sampled and sched.schedule_continuation(out) is None
+
+    sched = Scheduler(SchedulerConfig(max_model_len=64, num_blocks=2, block_size=4))
+    sched.add_request("r", [1, 2, 3, 4], Params(max_tokens=4))
+    sched.add_request("other", [5], Params(max_tokens=2))  # takes the second block
+    out = sched.schedule()
+    assert sched.block_manager.get_num_free_blocks() == 0
+    assert sched.schedule_continuation(out) is None  # "r" goes on at position 4: a new block, none free
+    assert [len(e.seq.block_table) for e in out.scheduled] == [1, 1]
+
+    sched = Scheduler(SchedulerConfig(max_model_len=64, num_blocks=8, block_size=4))
+    sched.add_request("n2", [1, 2, 3, 4, 5], Params(max_tokens=3, n=2))
+    out = sched.schedule()  # the parent computes the shared prompt part; its samples fork after it
+    assert sched.schedule_continuation(out) is None
+
+
+def test_continuation_misuse_is_reported():
+    sched = Scheduler(SchedulerConfig(max_model_len=64, num_blocks=8, block_size=4))
+    sched.add_request("r", [1, 2, 3], Params(max_tokens=10))
+    out = sched.schedule()
+    following = sched.schedule_continuation(out)
+    with pytest.raises(RuntimeError, match="only step in flight"):
+        sched.schedule_continuation(following)  # `out` is still in flight too
+    with pytest.raises(RuntimeError, match="before update_from_output"):
+        sched.schedule()
+
+
+def test_asynchronous_engine_loop_runs_continuations():
+    requests = [(f"r{i}", [3 + i] * (4 + i), Params(max_tokens=12), 0) for i in range(3)]
+    cfg = SchedulerConfig(max_model_len=40, num_blocks=64, block_size=4)
+    outputs, _, log = run_engine(cfg, requests, asynchronous=True)
+    # One prefill step, then continuations until the sequences end (by EOS or at 12 tokens).
+    assert log["continuations"] >= max(len(o[0]) for o in outputs.values()) - 2
+    for rid, prompt, params, _ in requests:
+        assert outputs[rid] == expected_outputs(prompt, params, 40)

@@ -116,6 +116,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="Run decode steps eagerly instead of replaying CUDA graphs captured at start.",
     )
     g.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Launch the next decode step before the current one's tokens reach the host, overlapping host work "
+        "with the GPU's (on by default; one rank only). Outputs are the same either way.",
+    )
+    g.add_argument(
         "--tensor-parallel-size",
         "-tp",
         type=_positive_int,
@@ -145,5 +152,6 @@ def engine_config_from_args(args: argparse.Namespace, model: str) -> EngineConfi
         enable_prefix_caching=args.enable_prefix_caching,
         seed=args.seed,
         enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling,
         tensor_parallel_size=args.tensor_parallel_size,
     )

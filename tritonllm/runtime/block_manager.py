@@ -274,6 +274,13 @@ class BlockManager:
         copies = sum(1 for j in range(first, min(len(table), end_blocks)) if self.ref_counts[table[j]] > 1)
         return max(0, end_blocks - len(table)) + copies
 
+    def grow(self, seq: Sequence, num_tokens: int) -> None:
+        """Append fresh blocks until the table covers `num_tokens` tokens; the caller has checked that enough
+        are free and that no shared block is written (a continuation step, `Scheduler.schedule_continuation`)."""
+        if self.num_blocks_for(num_tokens) - len(seq.block_table) > len(self._free):
+            raise RuntimeError(f"out of KV blocks for sequence {seq.seq_id}; check get_num_free_blocks first")
+        self._grow(seq, num_tokens)
+
     def _grow(self, seq: Sequence, num_tokens: int) -> None:
         for _ in range(self.num_blocks_for(num_tokens) - len(seq.block_table)):
             seq.block_table.append(self._take_free())

@@ -146,7 +146,8 @@ def decode_rows(
     for e in scheduled:
         p = e.num_computed_tokens  # the one new token's position
         table = e.block_table
-        ids.append(e.seq.token_ids[p])
+        token_ids = e.seq.token_ids
+        ids.append(token_ids[p] if p < len(token_ids) else 0)  # a continuation's token: patched on the device
         positions.append(p)
         slots.append(table[p // bs] * bs + p % bs)
         seq_lens.append(p + 1)
@@ -213,13 +214,16 @@ class DecodeGraphRunner:
         self.capture_seconds = time.perf_counter() - start
 
     @torch.inference_mode()
-    def run(self, scheduled: Sequence[ScheduledSequence]) -> torch.Tensor:
-        """Hidden states [len(scheduled), H] of one decode step; valid until the next run."""
+    def run(self, scheduled: Sequence[ScheduledSequence], input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states [len(scheduled), H] of one decode step; valid until the next run. `input_ids` [n] on the
+        device, when given, replaces the sequences' input tokens (a continuation of a step still running)."""
         n = len(scheduled)
         size = padded_size(n, self.sizes)
         if size is None:
             raise ValueError(f"{n} sequences exceed the largest bucket ({self.max_size}); run the step eagerly")
         self.inputs.fill(scheduled, size, self.block_size)
+        if input_ids is not None:
+            self.inputs.input_ids[:n].copy_(input_ids)
         graph = self.graphs.get(size)
         if graph is None:
             if self.use_graphs:

@@ -1,8 +1,14 @@
 """The engine: requests in, one scheduled step at a time, RequestOutputs out.
 
 add_request ─▶ Scheduler.add_request            (validation, queueing)
-step():  Scheduler.schedule ─▶ Executor.execute_step (every rank: forward; rank 0: sample, logprobs)
-         ─▶ Scheduler.update_from_output ─▶ stop checks + detokenization ─▶ RequestOutput for every request that moved
+step():  Scheduler.schedule ─▶ Executor.launch_step (every rank: forward; rank 0: sample, logprobs)
+         [─▶ Scheduler.schedule_continuation ─▶ Executor.launch_step: the next step, queued behind this one]
+         ─▶ wait for this step's tokens ─▶ Scheduler.update_from_output ─▶ stop checks + detokenization
+         ─▶ RequestOutput for every request that moved
+
+With asynchronous scheduling (one rank), a step that a continuation follows returns while the GPU runs that
+continuation; the next step() call collects it. So the host's bookkeeping overlaps the GPU's work, and the GPU
+does not wait for the host between decode steps.
 
 The scheduler runs here, once; the model runs in the executor's workers (in this process for one rank). When the
 executor dies (a tensor-parallel worker exited), every request in flight fails with its EngineDeadError and every
@@ -29,10 +35,10 @@ from tritonllm.runtime.errors import EngineDeadError
 from tritonllm.runtime.executor import Executor, create_executor
 from tritonllm.runtime.sampler import LogprobsTensors
 from tritonllm.runtime.scheduler import Scheduler, SchedulerConfig
-from tritonllm.runtime.scheduler_output import SchedulerStats
+from tritonllm.runtime.scheduler_output import SchedulerOutput, SchedulerStats
 from tritonllm.runtime.sequence import Sequence, SequenceGroup, SequenceStatus
 from tritonllm.runtime.tokenizer import Tokenizer
-from tritonllm.runtime.worker import WorkerConfig
+from tritonllm.runtime.worker import PendingStep, StepResult, WorkerConfig
 from tritonllm.sampling_params import RequestOutputKind, SamplingParams
 
 _FINISH_REASONS = {
@@ -98,6 +104,9 @@ class LLMEngine:
         self._seed_rng = random.Random(config.seed)
         self._requests: dict[str, RequestState] = {}
         self._request_ids = itertools.count()
+        # A continuation launched by the previous step() call, collected by the next: (its output, its launch).
+        self._ahead: tuple[SchedulerOutput, PendingStep] | None = None
+        self._continues = config.async_scheduling and self.executor.supports_continuation
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
 
@@ -153,11 +162,13 @@ class LLMEngine:
         if self.dead_error is None:
             self.dead_error = EngineDeadError("the engine is shut down")
         self._requests.clear()
+        self._ahead = None
         self.executor.shutdown()
 
     def _die(self, error: EngineDeadError) -> None:
         """The executor is gone: every request in flight ends (its caller gets `error`), later calls raise it."""
         self.dead_error = error
+        self._ahead = None
         for request_id in list(self._requests):
             self.scheduler.abort_request(request_id)
         self._requests.clear()
@@ -244,7 +255,8 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests)
+        """Requests not yet finished, or a step still running (the next step() call collects it)."""
+        return bool(self._requests) or self._ahead is not None
 
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.get_stats()
@@ -255,24 +267,38 @@ class LLMEngine:
         """Run one scheduled batch. Returns the state of every request that produced something."""
         if self.dead_error is not None:
             raise self.dead_error
-        out = self.scheduler.schedule()
-        if out.is_empty:
-            self.scheduler.update_from_output(out, [])
-            self.executor.discard(out.finished_seq_ids + out.preempted_seq_ids)
-            return []
-        wants_prompt_logits = {
-            e.seq.seq_id
-            for e in out.scheduled
-            if self._requests[e.seq.request_id].prompt_logprobs is not None and e.seq.sample_index == 0
-        }
         try:
-            result = self.executor.execute_step(out, wants_prompt_logits)
+            if self._ahead is not None:
+                (out, pending), self._ahead = self._ahead, None
+            else:
+                out = self.scheduler.schedule()
+                if out.is_empty:
+                    self.scheduler.update_from_output(out, [])
+                    self.executor.discard(out.finished_seq_ids + out.preempted_seq_ids)
+                    return []
+                wants_prompt_logits = {
+                    e.seq.seq_id
+                    for e in out.scheduled
+                    if self._requests[e.seq.request_id].prompt_logprobs is not None and e.seq.sample_index == 0
+                }
+                pending = self.executor.launch_step(out, wants_prompt_logits)
+            if self._continues and not any(e.seq.sampling_params.has_penalties for e in out.scheduled):
+                following = self.scheduler.schedule_continuation(out)
+                if following is not None:
+                    self._ahead = (following, self.executor.launch_step(following, set(), pending))
+            result = pending.result()
         except EngineDeadError as e:
             self._die(e)
             raise
+        return self._process(out, result)
+
+    def _process(self, out: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
+        """Apply one finished step: scheduler bookkeeping, stop checks, logprobs, outputs."""
         token_ids = result.sampled_token_ids
         self._check_sampled(token_ids)
         sampled = out.sampled
+        # A sequence the step before ended (on content, while this continuation ran) computed one token too many.
+        live = [e.seq.status is SequenceStatus.RUNNING for e in sampled]
         for seq_id, (first_pos, tensors) in result.prompt_logprobs.items():
             self._record_prompt_logprobs(out, seq_id, first_pos, tensors)
         self.scheduler.update_from_output(out, token_ids)
@@ -282,7 +308,7 @@ class LLMEngine:
         for row, (entry, token) in enumerate(zip(sampled, token_ids, strict=True)):
             seq = entry.seq
             state = self._requests.get(seq.request_id)
-            if state is None:
+            if state is None or not live[row]:
                 continue
             touched[state.request_id] = state
             state.token_times.append(now)

@@ -19,7 +19,7 @@ import torch
 
 from tritonllm.platform import default_device
 from tritonllm.runtime.scheduler_output import SchedulerOutput
-from tritonllm.runtime.worker import StepResult, Worker, WorkerConfig
+from tritonllm.runtime.worker import PendingStep, StepResult, Worker, WorkerConfig
 
 
 class Executor(ABC):
@@ -27,10 +27,20 @@ class Executor(ABC):
     dtype: torch.dtype  # the model's dtype
     device: torch.device  # rank 0's device
     driver_worker: Worker | None = None  # the rank-0 worker when it lives in this process
+    # Whether launch_step returns before the device finishes and runs continuations (asynchronous scheduling).
+    supports_continuation: bool = False
 
     @abstractmethod
     def execute_step(self, out: SchedulerOutput, prompt_logit_seq_ids: set[int]) -> StepResult:
         """Run one non-empty step on every rank; rank 0's sampled tokens and logprobs."""
+
+    def launch_step(
+        self, out: SchedulerOutput, prompt_logit_seq_ids: set[int], previous: PendingStep | None = None
+    ) -> PendingStep | StepResult:
+        """Queue one step; its `result()` waits for it. Executors without continuations run it to the end."""
+        if out.is_continuation:
+            raise ValueError(f"{type(self).__name__} does not run continuation steps; schedule with schedule()")
+        return self.execute_step(out, prompt_logit_seq_ids)
 
     def discard(self, seq_ids: Iterable[int]) -> None:  # noqa: B027  (nothing to forget in one process)
         """Sequences that ended or were preempted in a step that ran nothing: workers may forget them."""
@@ -52,8 +62,15 @@ class UniprocExecutor(Executor):
         self.dtype = self.driver_worker.dtype
         self.device = self.driver_worker.device
 
+    supports_continuation = True
+
     def execute_step(self, out: SchedulerOutput, prompt_logit_seq_ids: set[int]) -> StepResult:
         return self.driver_worker.execute_step(out, prompt_logit_seq_ids)
+
+    def launch_step(
+        self, out: SchedulerOutput, prompt_logit_seq_ids: set[int], previous: PendingStep | None = None
+    ) -> PendingStep:
+        return self.driver_worker.launch_step(out, prompt_logit_seq_ids, previous)
 
     def shutdown(self) -> None:
         pass

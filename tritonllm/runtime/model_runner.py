@@ -139,7 +139,16 @@ class ModelRunner:
     # ---- one step ---------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, prompt_logit_seq_ids: set[int] = frozenset()) -> ModelRunnerOutput:
+    def execute(
+        self,
+        out: SchedulerOutput,
+        prompt_logit_seq_ids: set[int] = frozenset(),
+        input_ids: torch.Tensor | None = None,
+    ) -> ModelRunnerOutput:
+        """Run the step's forward pass and LM head. `input_ids` [len(out.scheduled)] on the device: the input
+        tokens of a continuation (one token per sequence), sampled by the step before and not yet on the host."""
+        if input_ids is not None and out.num_batched_tokens != len(out.scheduled):
+            raise ValueError("device-side input_ids are for steps of one token per sequence (continuations)")
         if out.block_copies:
             mapping = torch.tensor(out.block_copies, dtype=torch.int64, device=self.device)
             copy_blocks(self.kv_cache, mapping)
@@ -147,10 +156,12 @@ class ModelRunner:
         graphs = self.decode_graphs
         if graphs is not None and graphs.can_run(out, prompt_logit_seq_ids):
             # Every row samples: the graph's hidden states are exactly the rows to project.
-            logits = self.model.compute_logits(graphs.run(out.scheduled)).float()
+            logits = self.model.compute_logits(graphs.run(out.scheduled, input_ids)).float()
             return ModelRunnerOutput(sampled_logits=logits, prompt_logits={})
 
         step = build_step_inputs(out.scheduled, self.block_size, self.device, prompt_logit_seq_ids)
+        if input_ids is not None:
+            step.input_ids.copy_(input_ids)
         meta = step.attn_metadata
         if self.mixed_graphs is not None and self.mixed_graphs.can_run(out, prompt_logit_seq_ids):
             logits = self.model.compute_logits(self.mixed_graphs.run(step)).float()

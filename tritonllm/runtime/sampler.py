@@ -88,13 +88,15 @@ class SamplingMetadata:
         *,
         eos_token_id: int | Collection[int] | None = None,
         sample_indices: Sequence[int] | None = None,
+        num_pending: Sequence[int] | None = None,
         device: torch.device | str = "cpu",
     ) -> "SamplingMetadata":
         """One row per entry: its request's params and token ids so far, the first num_prompt_tokens of them the
         prompt, the rest output (the token being sampled comes next). The lists are only read, and sliced only
         for rows with penalties. sample_indices: which of the request's n samples each row is (seeded rows use
         seed + index, as vLLM does). eos_token_id (one id or several, as Llama 3 lists) joins the stop tokens that
-        min_tokens bans (unless ignore_eos)."""
+        min_tokens bans (unless ignore_eos). num_pending: output tokens each row has beyond its list, sampled by a
+        step still running (asynchronous scheduling); a row with penalties needs all of its tokens (0 pending)."""
         n = len(params)
         if not len(token_ids) == len(num_prompt_tokens) == n:
             raise ValueError(
@@ -102,6 +104,10 @@ class SamplingMetadata:
                 f"{len(num_prompt_tokens)} prompt lengths"
             )
         sample_indices = list(sample_indices) if sample_indices is not None else [0] * n
+        pending = list(num_pending) if num_pending is not None else [0] * n
+        if any(k and p.has_penalties for k, p in zip(pending, params, strict=True)):
+            raise ValueError("penalties count every output token: a row with penalties cannot have tokens pending")
+        lengths = [len(t) + k for t, k in zip(token_ids, pending, strict=True)]  # the sampled token's position
         greedy = [p.is_greedy for p in params]
 
         pinned = torch.device(device).type == "cuda"
@@ -118,7 +124,7 @@ class SamplingMetadata:
             ),
             seeds=row_tensor([k - 2**64 if k >= 2**63 else k for k in keys], torch.int64),
             seeded=row_tensor([p.seed is not None for p in params], torch.bool),
-            positions=row_tensor([len(t) for t in token_ids], torch.int64),
+            positions=row_tensor(lengths, torch.int64),
             all_greedy=all(greedy),
             any_unseeded=any(p.seed is None and not g for p, g in zip(params, greedy, strict=True)),
         )
@@ -146,7 +152,7 @@ class SamplingMetadata:
         banned = [
             (r, t)
             for r, p in enumerate(params)
-            if p.min_tokens and len(token_ids[r]) - num_prompt_tokens[r] < p.min_tokens
+            if p.min_tokens and lengths[r] - num_prompt_tokens[r] < p.min_tokens
             for t in sorted(p.stop_token_set(eos_token_id))
             if t < vocab_size
         ]

@@ -8,12 +8,18 @@ last token. When blocks run out the newest running sequence is preempted: its bl
 num_computed_tokens drops to 0 and it re-queues by age, keeping its generated tokens, so the recompute
 covers them and it goes on exactly where it was.
 
-Engine loop (strictly alternating):
+Engine loop:
     out = scheduler.schedule()
     token_ids = runner.execute(out)                          # one per out.sampled entry
     ended = scheduler.update_from_output(out, token_ids)     # appends tokens; ends sequences by length
     for e in out.sampled: if e.seq is not finished and it hit EOS / a stop string:
         scheduler.finish_sequence(e.seq)                     # stop conditions on content: the engine's
+
+Asynchronous scheduling: while `out` still runs, `schedule_continuation(out)` may hand out the next step, in
+which every sequence `out` samples decodes the token `out` is sampling (the runner reads it on the device), so
+the GPU never waits for the host. It declines (None) whenever the batch could change: a sequence waiting for
+admission, a prefill chunk, too few free blocks. Outputs are then applied in order, `out` first. A sequence
+that `out` ends on content (EOS) has run one token too many; its result is dropped.
 """
 
 import itertools
@@ -64,7 +70,7 @@ class Scheduler:
         self._groups: dict[str, SequenceGroup] = {}  # unfinished requests
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
-        self._in_flight: SchedulerOutput | None = None
+        self._in_flight: list[SchedulerOutput] = []  # scheduled, not yet updated, oldest first (at most 2)
         self._finished_ids: list[int] = []
 
     # ---- requests ---------------------------------------------------------------------------------
@@ -124,8 +130,8 @@ class Scheduler:
     # ---- one step ---------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        """Pick this step's batch. Must alternate with `update_from_output`."""
-        if self._in_flight is not None:
+        """Pick this step's batch. Every step scheduled before must have had its `update_from_output`."""
+        if self._in_flight:
             raise RuntimeError("schedule() called again before update_from_output() of the previous step")
         bm = self.block_manager
         budget = self.config.max_num_batched_tokens
@@ -189,7 +195,55 @@ class Scheduler:
             finished_seq_ids=self._finished_ids,
         )
         self._finished_ids = []
-        self._in_flight = out
+        self._in_flight.append(out)
+        return out
+
+    def schedule_continuation(self, previous: SchedulerOutput) -> SchedulerOutput | None:
+        """The step after `previous` (the only step in flight), scheduled before its tokens are known: each
+        sequence `previous` samples computes the token being sampled there, unless that token ends it by length.
+        None when the next batch could differ: a sequence waits for admission or a fork, `previous` holds a
+        prefill chunk or leaves a running sequence out, or the blocks for the new tokens are not all free.
+
+        The result's `pending_token_rows[i]` is the row of `previous`'s sampled tokens that entry i reads as its
+        input; `update_from_output(previous, ...)` must come first, then this step's."""
+        if self._in_flight != [previous]:
+            raise RuntimeError("schedule_continuation() takes the only step in flight, right after scheduling it")
+        if self.waiting or not previous.scheduled or len(previous.scheduled) != len(self.running):
+            return None
+        if not all(e.sampled for e in previous.scheduled):
+            return None
+        bs = self.config.block_size
+        continuing: list[tuple[int, Sequence, int]] = []  # (row of previous's samples, sequence, position)
+        new_blocks = 0
+        for row, entry in enumerate(previous.scheduled):
+            seq = entry.seq
+            if seq.status is not SequenceStatus.RUNNING or self._group_pending_fork(seq):
+                return None
+            if self._reached_length(seq, pending=1):
+                continue
+            position = entry.seq_len  # where previous's sampled token goes
+            block = position // bs
+            if block == len(seq.block_table):
+                new_blocks += 1
+            elif block > len(seq.block_table) or self.block_manager.ref_counts[seq.block_table[block]] > 1:
+                return None  # a shared block would need a copy first: the regular path does that
+            continuing.append((row, seq, position))
+        budget = self.config.max_num_batched_tokens
+        if not continuing or len(continuing) > budget or new_blocks > self.block_manager.get_num_free_blocks():
+            return None
+        for _, seq, position in continuing:
+            self.block_manager.grow(seq, position + 1)
+        out = SchedulerOutput(
+            scheduled=[ScheduledSequence(seq, position, 1, True) for _, seq, position in continuing],
+            num_batched_tokens=len(continuing),
+            block_copies=[],
+            block_size=bs,
+            preempted_seq_ids=[],
+            finished_seq_ids=self._finished_ids,
+            pending_token_rows=[row for row, _, _ in continuing],
+        )
+        self._finished_ids = []
+        self._in_flight.append(out)
         return out
 
     def update_from_output(self, output: SchedulerOutput, sampled_token_ids: list[int]) -> list[Sequence]:
@@ -197,21 +251,21 @@ class Scheduler:
         append one sampled token per `output.sampled` entry (same order), fork parallel samples whose
         shared prompt part is done. Returns the sequences this ended by length (max_tokens or
         max_model_len) with status FINISHED_LENGTH; stop conditions on content are the engine's."""
-        if output is not self._in_flight:
-            raise ValueError("update_from_output() takes the SchedulerOutput of the latest schedule() call")
+        if not self._in_flight or output is not self._in_flight[0]:
+            raise ValueError("update_from_output() takes the oldest scheduled step not yet updated")
         num_sampled = sum(1 for s in output.scheduled if s.sampled)
         if len(sampled_token_ids) != num_sampled:
             raise ValueError(
                 f"got {len(sampled_token_ids)} sampled token ids for {num_sampled} sampled sequences; "
                 "pass one per SchedulerOutput.sampled entry, in order"
             )
-        self._in_flight = None
+        self._in_flight.pop(0)
         tokens = iter(sampled_token_ids)
         ended: list[Sequence] = []
         for entry in output.scheduled:
             seq = entry.seq
             token = int(next(tokens)) if entry.sampled else None
-            if seq.status is not SequenceStatus.RUNNING:  # aborted while the step ran
+            if seq.status is not SequenceStatus.RUNNING:  # aborted, or stopped by the step before, while it ran
                 continue
             seq.num_computed_tokens += entry.num_new_tokens
             self.block_manager.cache_full_blocks(seq)
@@ -274,11 +328,16 @@ class Scheduler:
         if group.is_finished:
             del self._groups[seq.request_id]
 
-    def _reached_length(self, seq: Sequence) -> bool:
+    def _reached_length(self, seq: Sequence, pending: int = 0) -> bool:
+        """Whether `seq` ends by length once it holds `pending` more tokens."""
         max_tokens = getattr(seq.sampling_params, "max_tokens", None)
-        if max_tokens is not None and seq.num_output_tokens >= max_tokens:
+        if max_tokens is not None and seq.num_output_tokens + pending >= max_tokens:
             return True
-        return seq.num_tokens >= self.config.max_model_len
+        return seq.num_tokens + pending >= self.config.max_model_len
+
+    def _group_pending_fork(self, seq: Sequence) -> bool:
+        group = self._groups.get(seq.request_id)
+        return group is not None and bool(group.pending_fork)
 
     def _check_request(self, request_id: str, prompt_len: int, n: int, max_tokens: int | None) -> None:
         cfg = self.config

@@ -52,6 +52,9 @@ class SchedulerOutput:
     block_size: int
     preempted_seq_ids: list[int]  # preempted during this schedule() call
     finished_seq_ids: list[int]  # ended (stopped, length, aborted) since the previous schedule() call
+    # A continuation (`Scheduler.schedule_continuation`): entry i decodes the token that row pending_token_rows[i]
+    # of the previous step's samples holds, not yet in its token_ids; the runner reads it on the device.
+    pending_token_rows: list[int] | None = None
 
     @property
     def sampled(self) -> list[ScheduledSequence]:
@@ -60,6 +63,10 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+    @property
+    def is_continuation(self) -> bool:
+        return self.pending_token_rows is not None
 
 
 @dataclass(slots=True)

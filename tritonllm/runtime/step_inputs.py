@@ -68,7 +68,8 @@ def build_step_inputs(
         seq = entry.seq
         row0 = query_start_loc[-1]
         if n == 1:  # decode: skip the range and slicing machinery
-            ids.append(seq.token_ids[start])
+            # start == num_tokens: a continuation's token, still being sampled; the runner patches it on the device
+            ids.append(seq.token_ids[start] if start < seq.num_tokens else 0)
             positions.append(start)
             slots.append(table[start // bs] * bs + start % bs)
         else:

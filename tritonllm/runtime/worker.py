@@ -45,6 +45,10 @@ class StepResult:
     logprobs: LogprobsTensors | None  # rows as sampled_token_ids; None when no sampled row asked for logprobs
     prompt_logprobs: dict[int, tuple[int, LogprobsTensors]]  # seq_id -> (first position, one row per position)
 
+    def result(self) -> StepResult:
+        """A finished step is its own result (as `PendingStep.result()` gives once the device is done)."""
+        return self
+
 
 def worker_device(requested: str | None, local_rank: int, world_size: int) -> torch.device:
     """The rank's device: the requested one (or the default) with one rank; cuda:{local_rank} on GPUs with more."""
@@ -75,8 +79,48 @@ def _min_over_ranks(value: int) -> int:
     return int(t.item())
 
 
-def _to_cpu(t: LogprobsTensors) -> LogprobsTensors:
-    return LogprobsTensors(token_ids=t.token_ids.cpu(), logprobs=t.logprobs.cpu(), ranks=t.ranks.cpu())
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """Start copying `t` to the host without waiting for it (pinned memory on a GPU); read it once the step's
+    event has completed."""
+    if t.device.type != "cuda":
+        return t.cpu()
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)
+
+
+def _logprobs_to_host(t: LogprobsTensors) -> LogprobsTensors:
+    return LogprobsTensors(token_ids=_to_host(t.token_ids), logprobs=_to_host(t.logprobs), ranks=_to_host(t.ranks))
+
+
+class PendingStep:
+    """A step whose kernels are queued on the device: its sampled tokens stay readable there by a continuation
+    launched next, and `result()` waits only for this step's own copies to the host, not for later launches."""
+
+    def __init__(
+        self,
+        sampled_token_ids: torch.Tensor | None,
+        host_token_ids: torch.Tensor | None,
+        logprobs: LogprobsTensors | None,
+        prompt_logprobs: dict[int, tuple[int, LogprobsTensors]],
+        device: torch.device,
+    ) -> None:
+        self.sampled_token_ids = sampled_token_ids  # [N] int64 on the device, None when nothing samples
+        self._host_token_ids = host_token_ids
+        self._logprobs = logprobs
+        self._prompt_logprobs = prompt_logprobs
+        self._copied = None
+        if device.type == "cuda":
+            self._copied = torch.cuda.Event()
+            self._copied.record(torch.cuda.current_stream(device))
+        self._result: StepResult | None = None
+
+    def result(self) -> StepResult:
+        if self._result is None:
+            if self._copied is not None:
+                self._copied.synchronize()
+            tokens = self._host_token_ids.tolist() if self._host_token_ids is not None else []
+            self._result = StepResult(tokens, self._logprobs, self._prompt_logprobs)
+        return self._result
 
 
 class Worker:
@@ -127,11 +171,34 @@ class Worker:
 
     def execute_step(self, out: SchedulerOutput, prompt_logit_seq_ids: set[int] = frozenset()) -> StepResult | None:
         """Run the step's forward pass; on rank 0 also sample and compute the asked-for logprobs (else None)."""
-        result = self.runner.execute(out, prompt_logit_seq_ids)
+        pending = self.launch_step(out, prompt_logit_seq_ids)
+        return pending.result() if pending is not None else None
+
+    def launch_step(
+        self,
+        out: SchedulerOutput,
+        prompt_logit_seq_ids: set[int] = frozenset(),
+        previous: PendingStep | None = None,
+    ) -> PendingStep | None:
+        """`execute_step` without waiting for the device (rank 0; other ranks return None once launched).
+        A continuation (`out.pending_token_rows`) reads its input tokens from `previous`'s samples."""
+        input_ids = None
+        if out.is_continuation:
+            if previous is None or previous.sampled_token_ids is None:
+                raise ValueError("a continuation step needs the still-running step it continues")
+            rows = out.pending_token_rows
+            input_ids = previous.sampled_token_ids
+            if rows != list(range(len(rows))):
+                input_ids = input_ids[torch.tensor(rows, dtype=torch.int64).to(input_ids.device, non_blocking=True)]
+            elif len(rows) != input_ids.shape[0]:
+                input_ids = input_ids[: len(rows)]
+            # The host checks sampled ids only once they arrive; an out-of-range one (a sampler bug) must not
+            # reach the embedding gather first, where a GPU would fail with a device-side assert.
+            input_ids = input_ids.clamp(0, self.model_config.vocab_size - 1)
+        result = self.runner.execute(out, prompt_logit_seq_ids, input_ids)
         if self.rank != 0:
             return None
-        token_ids: list[int] = []
-        logprobs = None
+        tokens = host_tokens = logprobs = None
         sampled = out.sampled
         if sampled:
             seqs = [e.seq for e in sampled]
@@ -142,12 +209,14 @@ class Worker:
                 result.sampled_logits.shape[1],
                 eos_token_id=self.config.eos_token_ids,
                 sample_indices=[s.sample_index for s in seqs],
+                num_pending=[e.seq_len - e.seq.num_tokens for e in sampled] if out.is_continuation else None,
                 device=result.sampled_logits.device,
             )
             sampler_out = self.sampler(result.sampled_logits, meta)
-            token_ids = sampler_out.sampled_token_ids.tolist()
+            tokens = sampler_out.sampled_token_ids
+            host_tokens = _to_host(tokens)
             if sampler_out.logprobs is not None:
-                logprobs = _to_cpu(sampler_out.logprobs)
+                logprobs = _logprobs_to_host(sampler_out.logprobs)
         prompt_logprobs = {}
         if result.prompt_logits:
             by_id = {e.seq.seq_id: e.seq for e in out.scheduled}
@@ -156,8 +225,8 @@ class Worker:
                 # Row i predicts the prompt token at first + i + 1.
                 next_ids = torch.tensor(seq.token_ids[first + 1 : first + 1 + logits.shape[0]], device=logits.device)
                 tensors = compute_prompt_logprobs(logits, next_ids, seq.sampling_params.prompt_logprobs)
-                prompt_logprobs[seq_id] = (first, _to_cpu(tensors))
-        return StepResult(token_ids, logprobs, prompt_logprobs)
+                prompt_logprobs[seq_id] = (first, _logprobs_to_host(tensors))
+        return PendingStep(tokens, host_tokens, logprobs, prompt_logprobs, self.device)
 
     def execute_message(self, msg: StepMessage) -> StepResult | None:
         """A step sent by the engine: update the sequence mirror, then run it."""
