@@ -23,6 +23,7 @@ from tritonllm.runtime.engine_config import EngineConfig
 from tritonllm.runtime.model_runner import ModelRunner
 from tritonllm.runtime.sampler import LogprobsTensors, Sampler, SamplingMetadata, compute_prompt_logprobs
 from tritonllm.runtime.scheduler_output import SchedulerOutput
+from tritonllm.runtime.step_inputs import to_device
 from tritonllm.runtime.step_messages import KEEPALIVE, SHUTDOWN, SequenceMirror, StepMessage
 
 
@@ -186,12 +187,9 @@ class Worker:
         if out.is_continuation:
             if previous is None or previous.sampled_token_ids is None:
                 raise ValueError("a continuation step needs the still-running step it continues")
-            rows = out.pending_token_rows
-            input_ids = previous.sampled_token_ids
-            if rows != list(range(len(rows))):
-                input_ids = input_ids[torch.tensor(rows, dtype=torch.int64).to(input_ids.device, non_blocking=True)]
-            elif len(rows) != input_ids.shape[0]:
-                input_ids = input_ids[: len(rows)]
+            rows, samples = out.pending_token_rows, previous.sampled_token_ids
+            in_order = rows == list(range(len(rows)))  # no sequence left out: a view, no gather
+            input_ids = samples[: len(rows)] if in_order else samples[to_device(rows, samples.device)]
             # The host checks sampled ids only once they arrive; an out-of-range one (a sampler bug) must not
             # reach the embedding gather first, where a GPU would fail with a device-side assert.
             input_ids = input_ids.clamp(0, self.model_config.vocab_size - 1)
