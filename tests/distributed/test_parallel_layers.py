@@ -16,6 +16,7 @@ import torch
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
+from tests.distributed.marks import cpu_kernels
 from tests.distributed.tp_workers import RankError, TPWorkers
 from tests.helpers import assert_close, dtypes, seeds
 from tests.quant.checkpoints import awq_settings, gptq_settings
@@ -148,7 +149,8 @@ def _rank_columns(case: LayerCase, full: torch.Tensor, rank: int) -> torch.Tenso
     return torch.cat([q.chunk(W, dim=-1)[rank], k[:, kv], v[:, kv]], dim=-1)
 
 
-@pytest.mark.parametrize("name", list(CASES))
+# Quantized layers run Triton kernels; dense ones only torch matmuls.
+@pytest.mark.parametrize("name", [pytest.param(n, marks=cpu_kernels if c.quant else ()) for n, c in CASES.items()])
 @settings(max_examples=2, phases=(Phase.explicit, Phase.reuse, Phase.generate))
 @given(seed=seeds(), dtype=dtypes, num_tokens=st.sampled_from([1, 5, 7]))
 def test_parallel_linear_matches_unsharded(workers, name, seed, dtype, num_tokens):

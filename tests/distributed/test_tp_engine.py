@@ -17,9 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.distributed.marks import two_ranks
 from tritonllm import LLM, SamplingParams, register_model
 from tritonllm.entrypoints.llm import DEFAULT_MODEL
 from tritonllm.models.llama import LlamaForCausalLM
+
+pytestmark = two_ranks
 
 PROMPTS = ["def main(", "import os\n"]
 # One KV budget for both sizes: a rank of two holds half the KV heads, so its pool has twice the blocks.

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from hypothesis import Phase, given, settings
 
+from tests.distributed.marks import cpu_kernels
 from tests.distributed.tp_workers import TPWorkers
 from tests.helpers import seeds
 from tests.models.checkpoints import tiny_config, write_checkpoint
@@ -19,6 +20,8 @@ from tests.models.paged_runner import PagedRunner
 from tests.quant.checkpoints import awq_settings, gptq_settings, write_quantized_checkpoint
 from tritonllm.distributed import communication
 from tritonllm.models.loader import load_model
+
+pytestmark = cpu_kernels
 
 W = 2
 FP32_TOL = dict(atol=2e-5, rtol=1e-4)

@@ -14,9 +14,12 @@ import httpx
 import pytest
 import uvicorn
 
+from tests.distributed.marks import two_ranks
 from tritonllm import LLM, SamplingParams
 from tritonllm.entrypoints.llm import DEFAULT_MODEL
 from tritonllm.runtime.errors import EngineDeadError
+
+pytestmark = two_ranks
 
 ENGINE = dict(tensor_parallel_size=2, max_model_len=128, num_gpu_blocks=32)
 LONG = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)

@@ -47,7 +47,7 @@ class FakeRunner:
             return entry.block_table[p // bs] * bs + p % bs
 
         for i, e in enumerate(out.scheduled):  # a layer writes every new token's KV, then attends
-            if out.is_continuation:
+            if out.is_continuation and out.pending_token_rows[i] >= 0:
                 assert e.num_new_tokens == 1 and e.num_computed_tokens == e.seq.num_tokens  # its token is pending
                 self.kv[slot(e, e.num_computed_tokens)] = (previous_tokens[out.pending_token_rows[i]], e.seq_len - 1)
                 continue
@@ -73,12 +73,16 @@ def expected_outputs(prompt: list[int], params: Params, max_model_len: int) -> l
 def check_step(sched: Scheduler, out: SchedulerOutput) -> None:
     cfg, bm = sched.config, sched.block_manager
     assert out.num_batched_tokens == sum(e.num_new_tokens for e in out.scheduled) <= cfg.max_num_batched_tokens
-    assert len(out.scheduled) <= cfg.max_num_seqs and len(sched.running) <= cfg.max_num_seqs
+    assert len(out.scheduled) <= cfg.max_num_seqs
+    # A continuation may seat a sequence in place of one that the step before ends by length (freed once applied).
+    ending = {s.seq_id for s in sched.running if sched._reached_length(s, pending=1)} if out.is_continuation else ()
+    assert sum(1 for s in sched.running if s.seq_id not in ending) <= cfg.max_num_seqs
     assert len({e.seq.seq_id for e in out.scheduled}) == len(out.scheduled)
-    for e in out.scheduled:
+    pending = out.pending_token_rows or [-1] * len(out.scheduled)
+    for e, row in zip(out.scheduled, pending, strict=True):
         assert e.seq.status is SequenceStatus.RUNNING and e.num_new_tokens >= 1
-        # A continuation's sequence lacks the one token the step before is sampling.
-        assert e.sampled == (e.seq_len == e.seq.num_tokens + out.is_continuation)
+        # A continuation's decode lacks the one token the step before is sampling.
+        assert e.sampled == (e.seq_len == e.seq.num_tokens + (row >= 0))
         assert len(e.block_table) == bm.num_blocks_for(e.seq_len)
         if cfg.long_prefill_token_threshold:
             assert e.num_new_tokens <= cfg.long_prefill_token_threshold
@@ -115,6 +119,7 @@ def run_engine(cfg: SchedulerConfig, requests, aborts=(), max_steps=5000, asynch
             check_step(sched, following)
             ahead = (following, runner.execute(following, tokens))
             log["continuations"] += 1
+            log["continued_prefills"] += sum(1 for row in following.pending_token_rows if row < 0)
         sched.update_from_output(out, tokens)
         for e in out.sampled:  # the engine's own stop check
             if not e.seq.is_finished and e.seq.token_ids[-1] == EOS:
@@ -191,7 +196,7 @@ def test_continuous_batching_matches_running_alone(workload):
 def test_engine_loop_exercises_chunking_preemption_prefix_cache_and_cow():
     prompt = [5, 6, 7, 8, 9, 10, 11, 12, 13]
     requests = [(f"r{i}", prompt + [20 + i] * i, Params(max_tokens=12, n=1 + i % 3), i % 3) for i in range(6)]
-    for caching in (True, False):
+    for caching, asynchronous in ((True, False), (False, False), (True, True)):
         cfg = SchedulerConfig(
             max_model_len=64,
             num_blocks=13,  # the longest request alone: 14 prompt + 11 computed output tokens
@@ -199,11 +204,12 @@ def test_engine_loop_exercises_chunking_preemption_prefix_cache_and_cow():
             max_num_batched_tokens=8,
             enable_prefix_caching=caching,
         )
-        outputs, _, log = run_engine(cfg, requests)
+        outputs, _, log = run_engine(cfg, requests, asynchronous=asynchronous)
         for rid, p, params, _ in requests:
             assert outputs[rid] == expected_outputs(p, params, 64)
         assert log["preempted"] > 0 and log["chunks"] > 0 and log["copies"] > 0
         assert (log["hits"] > 0) == caching
+        assert (log["continued_prefills"] > 0) == asynchronous
 
 
 # ---- budget, chunked prefill, admission ---------------------------------------------------------------
@@ -466,31 +472,66 @@ def test_a_sequence_stopped_while_its_continuation_ran_keeps_no_extra_token():
     assert seq.output_token_ids == [EOS] and seq.num_computed_tokens == 3 and seq.status.is_finished
 
 
-def test_continuation_declines_when_the_batch_could_change():
-    def started(**cfg):
-        sched = Scheduler(SchedulerConfig(**{"max_model_len": 64, "num_blocks": 8, "block_size": 4, **cfg}))
-        sched.add_request("r", [1, 2, 3, 4], Params(max_tokens=10))
-        return sched, sched.schedule()
+def test_continuation_admits_waiting_sequences_and_goes_on_with_prefill_chunks():
+    sched = Scheduler(SchedulerConfig(max_model_len=64, num_blocks=16, block_size=4, max_num_batched_tokens=6))
+    first = sched.add_request("first", [1, 2, 3], Params(max_tokens=5)).seqs[0]
+    long = sched.add_request("long", list(range(10, 20)), Params(max_tokens=2)).seqs[0]
+    out = sched.schedule()  # first's prompt (3) and a 3-token chunk of long's
+    assert [(e.seq, e.num_new_tokens, e.sampled) for e in out.scheduled] == [(first, 3, True), (long, 3, False)]
+    late = sched.add_request("late", [7, 8], Params(max_tokens=2)).seqs[0]
+    following = sched.schedule_continuation(out)
+    # first decodes the token `out` samples; long's next chunk and late's prompt are on the host.
+    assert [(e.seq, e.num_computed_tokens, e.num_new_tokens, e.sampled) for e in following.scheduled] == [
+        (first, 3, 1, True),
+        (long, 3, 5, False),
+    ]
+    assert following.pending_token_rows == [0, -1] and following.num_batched_tokens == 6
+    assert late.status is SequenceStatus.WAITING  # the budget is spent
+    sched.update_from_output(out, [41])
+    sched.update_from_output(following, [42])
+    assert first.token_ids == [1, 2, 3, 41, 42] and long.num_computed_tokens == 8
 
-    sched, out = started()
-    sched.add_request("late", [5, 6], Params(max_tokens=2))  # waits for admission: only schedule() admits
-    assert sched.schedule_continuation(out) is None
+    out = sched.schedule()
+    assert [(e.seq, e.num_new_tokens) for e in out.scheduled] == [(first, 1), (long, 2), (late, 2)]
+    fourth = sched.add_request("fourth", [9, 9, 9], Params(max_tokens=1)).seqs[0]
+    following = sched.schedule_continuation(out)
+    assert [(e.seq, e.num_new_tokens, e.sampled) for e in following.scheduled] == [
+        (first, 1, True),
+        (long, 1, True),
+        (late, 1, True),
+        (fourth, 3, True),
+    ]
+    assert following.pending_token_rows == [0, 1, 2, -1] and fourth.status is SequenceStatus.RUNNING
 
-    sched, out = started(max_num_batched_tokens=2)  # a prefill chunk: the next step is more prompt
-    assert not out.scheduled[0].sampled and sched.schedule_continuation(out) is None
 
+def test_continuation_declines_where_only_schedule_can_go_on():
     sched = Scheduler(SchedulerConfig(max_model_len=64, num_blocks=2, block_size=4))
     sched.add_request("r", [1, 2, 3, 4], Params(max_tokens=4))
     sched.add_request("other", [5], Params(max_tokens=2))  # takes the second block
     out = sched.schedule()
     assert sched.block_manager.get_num_free_blocks() == 0
     assert sched.schedule_continuation(out) is None  # "r" goes on at position 4: a new block, none free
-    assert [len(e.seq.block_table) for e in out.scheduled] == [1, 1]
+    assert [len(e.seq.block_table) for e in out.scheduled] == [1, 1]  # the decline changed nothing
+    assert not sched.waiting
 
     sched = Scheduler(SchedulerConfig(max_model_len=64, num_blocks=8, block_size=4))
     sched.add_request("n2", [1, 2, 3, 4, 5], Params(max_tokens=3, n=2))
     out = sched.schedule()  # the parent computes the shared prompt part; its samples fork after it
     assert sched.schedule_continuation(out) is None
+
+    sched = Scheduler(SchedulerConfig(max_model_len=64, num_blocks=8, block_size=4))
+    sched.add_request("r", [1, 2, 3, 4], Params(max_tokens=4))
+    out = sched.schedule()
+    sched.add_request("n2", [5, 6, 7], Params(max_tokens=3, n=2))  # would fork: only schedule() admits it
+    following = sched.schedule_continuation(out)
+    assert [e.seq.request_id for e in following.scheduled] == ["r"] and len(sched.waiting) == 1
+
+    sched = Scheduler(SchedulerConfig(max_model_len=64, num_blocks=8, block_size=4, max_num_seqs=1))
+    sched.add_request("r", [1, 2, 3], Params(max_tokens=1))
+    out = sched.schedule()
+    sched.add_request("next", [4, 5], Params(max_tokens=1))
+    following = sched.schedule_continuation(out)  # "r" ends by length with `out`'s token: its seat frees up
+    assert [e.seq.request_id for e in following.scheduled] == ["next"] and following.pending_token_rows == [-1]
 
 
 def test_continuation_misuse_is_reported():

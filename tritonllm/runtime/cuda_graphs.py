@@ -30,6 +30,7 @@ from torch import nn
 
 from tritonllm.runtime.forward_context import AttentionMetadata, set_forward_context
 from tritonllm.runtime.scheduler_output import ScheduledSequence, SchedulerOutput
+from tritonllm.runtime.step_inputs import DeviceInputIds
 
 # Above this many sequences a decode step is compute-heavy enough that launch overhead no longer matters.
 CAPTURE_SIZE_LIMIT = 256
@@ -214,16 +215,16 @@ class DecodeGraphRunner:
         self.capture_seconds = time.perf_counter() - start
 
     @torch.inference_mode()
-    def run(self, scheduled: Sequence[ScheduledSequence], input_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Hidden states [len(scheduled), H] of one decode step; valid until the next run. `input_ids` [n] on the
-        device, when given, replaces the sequences' input tokens (a continuation of a step still running)."""
+    def run(self, scheduled: Sequence[ScheduledSequence], input_ids: DeviceInputIds | None = None) -> torch.Tensor:
+        """Hidden states [len(scheduled), H] of one decode step; valid until the next run. `input_ids`, when given,
+        replaces the input tokens of those rows (a continuation of a step still running)."""
         n = len(scheduled)
         size = padded_size(n, self.sizes)
         if size is None:
             raise ValueError(f"{n} sequences exceed the largest bucket ({self.max_size}); run the step eagerly")
         self.inputs.fill(scheduled, size, self.block_size)
         if input_ids is not None:
-            self.inputs.input_ids[:n].copy_(input_ids)
+            input_ids.write_into(self.inputs.input_ids)
         graph = self.graphs.get(size)
         if graph is None:
             if self.use_graphs:

@@ -276,21 +276,25 @@ class LLMEngine:
                     self.scheduler.update_from_output(out, [])
                     self.executor.discard(out.finished_seq_ids + out.preempted_seq_ids)
                     return []
-                wants_prompt_logits = {
-                    e.seq.seq_id
-                    for e in out.scheduled
-                    if self._requests[e.seq.request_id].prompt_logprobs is not None and e.seq.sample_index == 0
-                }
-                pending = self.executor.launch_step(out, wants_prompt_logits)
-            if self._continues and not any(e.seq.sampling_params.has_penalties for e in out.scheduled):
+                pending = self.executor.launch_step(out, self._wants_prompt_logits(out))
+            # Penalties count every output token, so a sequence that has them cannot decode a pending one.
+            if self._continues and not any(e.seq.sampling_params.has_penalties for e in out.sampled):
                 following = self.scheduler.schedule_continuation(out)
                 if following is not None:
-                    self._ahead = (following, self.executor.launch_step(following, set(), pending))
+                    launched = self.executor.launch_step(following, self._wants_prompt_logits(following), pending)
+                    self._ahead = (following, launched)
             result = pending.result()
         except EngineDeadError as e:
             self._die(e)
             raise
         return self._process(out, result)
+
+    def _wants_prompt_logits(self, out: SchedulerOutput) -> set[int]:
+        return {
+            e.seq.seq_id
+            for e in out.scheduled
+            if self._requests[e.seq.request_id].prompt_logprobs is not None and e.seq.sample_index == 0
+        }
 
     def _process(self, out: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
         """Apply one finished step: scheduler bookkeeping, stop checks, logprobs, outputs."""

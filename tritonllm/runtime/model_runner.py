@@ -13,7 +13,7 @@ from tritonllm.runtime.cuda_graphs import DecodeGraphRunner, capture_sizes
 from tritonllm.runtime.forward_context import set_forward_context
 from tritonllm.runtime.mixed_graphs import MixedGraphRunner, mixed_token_buckets
 from tritonllm.runtime.scheduler_output import SchedulerOutput
-from tritonllm.runtime.step_inputs import build_step_inputs
+from tritonllm.runtime.step_inputs import DeviceInputIds, build_step_inputs
 
 # Without a GPU there is nothing to profile; the cache gets a fixed budget unless the caller sets one.
 DEFAULT_CPU_KV_CACHE_MEMORY = 256 * 2**20
@@ -143,12 +143,10 @@ class ModelRunner:
         self,
         out: SchedulerOutput,
         prompt_logit_seq_ids: set[int] = frozenset(),
-        input_ids: torch.Tensor | None = None,
+        input_ids: DeviceInputIds | None = None,
     ) -> ModelRunnerOutput:
-        """Run the step's forward pass and LM head. `input_ids` [len(out.scheduled)] on the device: the input
-        tokens of a continuation (one token per sequence), sampled by the step before and not yet on the host."""
-        if input_ids is not None and out.num_batched_tokens != len(out.scheduled):
-            raise ValueError("device-side input_ids are for steps of one token per sequence (continuations)")
+        """Run the step's forward pass and LM head. `input_ids`: a continuation's input tokens that the step before
+        sampled and the host does not hold yet, written over their placeholders on the device."""
         if out.block_copies:
             mapping = torch.tensor(out.block_copies, dtype=torch.int64, device=self.device)
             copy_blocks(self.kv_cache, mapping)
@@ -161,7 +159,7 @@ class ModelRunner:
 
         step = build_step_inputs(out.scheduled, self.block_size, self.device, prompt_logit_seq_ids)
         if input_ids is not None:
-            step.input_ids.copy_(input_ids)
+            input_ids.write_into(step.input_ids)
         meta = step.attn_metadata
         if self.mixed_graphs is not None and self.mixed_graphs.can_run(out, prompt_logit_seq_ids):
             logits = self.model.compute_logits(self.mixed_graphs.run(step)).float()

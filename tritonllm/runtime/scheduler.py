@@ -16,10 +16,11 @@ Engine loop:
         scheduler.finish_sequence(e.seq)                     # stop conditions on content: the engine's
 
 Asynchronous scheduling: while `out` still runs, `schedule_continuation(out)` may hand out the next step, in
-which every sequence `out` samples decodes the token `out` is sampling (the runner reads it on the device), so
-the GPU never waits for the host. It declines (None) whenever the batch could change: a sequence waiting for
-admission, a prefill chunk, too few free blocks. Outputs are then applied in order, `out` first. A sequence
-that `out` ends on content (EOS) has run one token too many; its result is dropped.
+which every sequence `out` samples decodes the token `out` is sampling (the runner reads it on the device),
+prefill chunks go on and waiting sequences are admitted, so the GPU never waits for the host. It declines (None)
+where only `schedule()` can go on: too few free blocks (preemption), a shared block to copy, a fork. Outputs are
+then applied in order, `out` first. A sequence that `out` ends on content (EOS) has run one token too many; its
+result is dropped.
 """
 
 import itertools
@@ -199,48 +200,97 @@ class Scheduler:
         return out
 
     def schedule_continuation(self, previous: SchedulerOutput) -> SchedulerOutput | None:
-        """The step after `previous` (the only step in flight), scheduled before its tokens are known: each
-        sequence `previous` samples computes the token being sampled there, unless that token ends it by length.
-        None when the next batch could differ: a sequence waits for admission or a fork, `previous` holds a
-        prefill chunk or leaves a running sequence out, or the blocks for the new tokens are not all free.
+        """The step after `previous` (the only step in flight), scheduled before its tokens are known.
 
-        The result's `pending_token_rows[i]` is the row of `previous`'s sampled tokens that entry i reads as its
-        input; `update_from_output(previous, ...)` must come first, then this step's."""
+        Each running sequence gets what it would get once `previous` is applied: one sampled by `previous`
+        decodes that token (the runner reads it on the device; row `pending_token_rows[i]` of `previous`'s
+        samples), unless it ends it by length; one `previous` ran a prefill chunk of gets its next chunk; then
+        waiting sequences are admitted FCFS as `schedule()` admits them. Tokens a sequence already holds are
+        read from the host as usual (`pending_token_rows[i]` is -1).
+
+        None where only `schedule()` can go on: a running sequence lacks free blocks (preemption) or would write
+        a shared block (copy-on-write), a request's samples are still to fork, or nothing would run.
+        `update_from_output(previous, ...)` must come first, then this step's."""
         if self._in_flight != [previous]:
             raise RuntimeError("schedule_continuation() takes the only step in flight, right after scheduling it")
-        if self.waiting or not previous.scheduled or len(previous.scheduled) != len(self.running):
-            return None
-        if not all(e.sampled for e in previous.scheduled):
-            return None
-        bs = self.config.block_size
-        continuing: list[tuple[int, Sequence, int]] = []  # (row of previous's samples, sequence, position)
-        new_blocks = 0
-        for row, entry in enumerate(previous.scheduled):
-            seq = entry.seq
-            if seq.status is not SequenceStatus.RUNNING or self._group_pending_fork(seq):
-                return None
-            if self._reached_length(seq, pending=1):
-                continue
-            position = entry.seq_len  # where previous's sampled token goes
-            block = position // bs
-            if block == len(seq.block_table):
-                new_blocks += 1
-            elif block > len(seq.block_table) or self.block_manager.ref_counts[seq.block_table[block]] > 1:
-                return None  # a shared block would need a copy first: the regular path does that
-            continuing.append((row, seq, position))
+        bm, bs = self.block_manager, self.config.block_size
+        previous_entries: dict[int, tuple[ScheduledSequence, int]] = {}  # seq_id -> (entry, row of its sample)
+        row = 0
+        for entry in previous.scheduled:
+            previous_entries[entry.seq.seq_id] = (entry, row if entry.sampled else -1)
+            row += entry.sampled
+
+        # Running sequences, oldest first, as they stand once `previous` is applied. Nothing changes until all
+        # of them are known to fit: a decline leaves the scheduler as it was.
         budget = self.config.max_num_batched_tokens
-        if not continuing or len(continuing) > budget or new_blocks > self.block_manager.get_num_free_blocks():
+        plan: list[tuple[Sequence, int, int, int]] = []  # (sequence, first position, new tokens, sample row)
+        free = bm.get_num_free_blocks()
+        ending = 0
+        for seq in self.running:
+            if budget == 0:
+                break
+            if self._group_pending_fork(seq):
+                return None
+            entry, sample_row = previous_entries.get(seq.seq_id, (None, -1))
+            if entry is None:
+                start = seq.num_computed_tokens
+                n = self._num_new_tokens(seq, start, budget)
+            elif sample_row >= 0:
+                if self._reached_length(seq, pending=1):
+                    ending += 1
+                    continue
+                start, n = entry.seq_len, 1  # the token `previous` samples, at position seq_len
+            else:
+                start = entry.seq_len
+                n = self._num_new_tokens(seq, start, budget)
+            table = seq.block_table
+            end_blocks = bm.num_blocks_for(start + n)
+            if any(bm.ref_counts[table[j]] > 1 for j in range(start // bs, min(len(table), end_blocks))):
+                return None  # a shared block would need a copy first: the regular path does that
+            free -= max(0, end_blocks - len(table))
+            if free < 0:
+                return None  # the regular path preempts
+            plan.append((seq, start, n, sample_row))
+            budget -= n
+
+        scheduled: list[ScheduledSequence] = []
+        pending_rows: list[int] = []
+        for seq, start, n, sample_row in plan:
+            bm.grow(seq, start + n)
+            # Sampled once every token it holds (and the pending one) is computed.
+            scheduled.append(ScheduledSequence(seq, start, n, start + n == seq.num_tokens + (sample_row >= 0)))
+            pending_rows.append(sample_row)
+
+        # Waiting sequences, FCFS, while they fit; a request that would fork stops admission (schedule() forks).
+        seats = len(self.running) - ending
+        while self.waiting and budget > 0:
+            seq = self.waiting[0]
+            if self._group_pending_fork(seq) or seats + 1 > self.config.max_num_seqs:
+                break
+            hit = NO_HIT if getattr(seq.sampling_params, "prompt_logprobs", None) is not None else bm.lookup_prefix(seq)
+            n = self._num_new_tokens(seq, hit.num_tokens, budget)
+            if not bm.can_allocate(seq, n, hit):
+                break
+            self.waiting.pop(0)
+            seq.status = SequenceStatus.RUNNING
+            insort(self.running, seq, key=_KEY)
+            bm.allocate(seq, n, hit)
+            scheduled.append(ScheduledSequence(seq, hit.num_tokens, n, hit.num_tokens + n == seq.num_tokens))
+            pending_rows.append(-1)
+            budget -= n
+            seats += 1
+
+        if not scheduled:
             return None
-        for _, seq, position in continuing:
-            self.block_manager.grow(seq, position + 1)
+        self.num_chunked_prefills += sum(1 for e in scheduled if not e.sampled)
         out = SchedulerOutput(
-            scheduled=[ScheduledSequence(seq, position, 1, True) for _, seq, position in continuing],
-            num_batched_tokens=len(continuing),
+            scheduled=scheduled,
+            num_batched_tokens=self.config.max_num_batched_tokens - budget,
             block_copies=[],
             block_size=bs,
             preempted_seq_ids=[],
             finished_seq_ids=self._finished_ids,
-            pending_token_rows=[row for row, _, _ in continuing],
+            pending_token_rows=pending_rows,
         )
         self._finished_ids = []
         self._in_flight.append(out)

@@ -52,8 +52,9 @@ class SchedulerOutput:
     block_size: int
     preempted_seq_ids: list[int]  # preempted during this schedule() call
     finished_seq_ids: list[int]  # ended (stopped, length, aborted) since the previous schedule() call
-    # A continuation (`Scheduler.schedule_continuation`): entry i decodes the token that row pending_token_rows[i]
-    # of the previous step's samples holds, not yet in its token_ids; the runner reads it on the device.
+    # A continuation (`Scheduler.schedule_continuation`): where pending_token_rows[i] >= 0, entry i decodes the
+    # token that row of the previous step's samples holds, not yet in its token_ids (the runner reads it on the
+    # device); -1: entry i's tokens are all in its token_ids.
     pending_token_rows: list[int] | None = None
 
     @property

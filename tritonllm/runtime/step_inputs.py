@@ -40,6 +40,23 @@ def to_device(values: list[int], device: torch.device) -> torch.Tensor:
     return pinned.to(device, non_blocking=True)
 
 
+@dataclass(slots=True)
+class DeviceInputIds:
+    """Input ids that reach a step on the device (a continuation's tokens, sampled by the step still running):
+    `values[i]` is the input id of the step's flat token row `rows[i]`."""
+
+    values: torch.Tensor  # [len(rows)] int64, on the step's device
+    rows: list[int]
+
+    def write_into(self, input_ids: torch.Tensor) -> None:
+        """Overwrite those rows of a step's flat `input_ids` (its placeholders) on the device."""
+        n = len(self.rows)
+        if self.rows == list(range(n)):  # every sequence decodes a pending token: a slice, no scatter
+            input_ids[:n].copy_(self.values)
+        else:
+            input_ids[to_device(self.rows, input_ids.device)] = self.values
+
+
 def build_step_inputs(
     scheduled: Sequence[ScheduledSequence],
     block_size: int,

@@ -23,7 +23,7 @@ from tritonllm.runtime.engine_config import EngineConfig
 from tritonllm.runtime.model_runner import ModelRunner
 from tritonllm.runtime.sampler import LogprobsTensors, Sampler, SamplingMetadata, compute_prompt_logprobs
 from tritonllm.runtime.scheduler_output import SchedulerOutput
-from tritonllm.runtime.step_inputs import to_device
+from tritonllm.runtime.step_inputs import DeviceInputIds, to_device
 from tritonllm.runtime.step_messages import KEEPALIVE, SHUTDOWN, SequenceMirror, StepMessage
 
 
@@ -91,6 +91,29 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
 
 def _logprobs_to_host(t: LogprobsTensors) -> LogprobsTensors:
     return LogprobsTensors(token_ids=_to_host(t.token_ids), logprobs=_to_host(t.logprobs), ranks=_to_host(t.ranks))
+
+
+def continuation_input_ids(
+    out: SchedulerOutput, samples: torch.Tensor | None, vocab_size: int
+) -> DeviceInputIds | None:
+    """The input ids of continuation `out` that `samples` (the previous step's, still on the device) hold."""
+    flat_rows: list[int] = []
+    sample_rows: list[int] = []
+    row = 0
+    for entry, sample_row in zip(out.scheduled, out.pending_token_rows, strict=True):
+        if sample_row >= 0:
+            flat_rows.append(row)
+            sample_rows.append(sample_row)
+        row += entry.num_new_tokens
+    if not sample_rows:
+        return None
+    if samples is None:
+        raise ValueError("a continuation that decodes pending tokens needs the samples of the step it continues")
+    in_order = sample_rows == list(range(len(sample_rows)))  # no sampled sequence left out: a view, no gather
+    values = samples[: len(sample_rows)] if in_order else samples[to_device(sample_rows, samples.device)]
+    # The host checks sampled ids only once they arrive; an out-of-range one (a sampler bug) must not reach the
+    # embedding gather first, where a GPU would fail with a device-side assert.
+    return DeviceInputIds(values.clamp(0, vocab_size - 1), flat_rows)
 
 
 class PendingStep:
@@ -185,14 +208,8 @@ class Worker:
         A continuation (`out.pending_token_rows`) reads its input tokens from `previous`'s samples."""
         input_ids = None
         if out.is_continuation:
-            if previous is None or previous.sampled_token_ids is None:
-                raise ValueError("a continuation step needs the still-running step it continues")
-            rows, samples = out.pending_token_rows, previous.sampled_token_ids
-            in_order = rows == list(range(len(rows)))  # no sequence left out: a view, no gather
-            input_ids = samples[: len(rows)] if in_order else samples[to_device(rows, samples.device)]
-            # The host checks sampled ids only once they arrive; an out-of-range one (a sampler bug) must not
-            # reach the embedding gather first, where a GPU would fail with a device-side assert.
-            input_ids = input_ids.clamp(0, self.model_config.vocab_size - 1)
+            samples = previous.sampled_token_ids if previous is not None else None
+            input_ids = continuation_input_ids(out, samples, self.model_config.vocab_size)
         result = self.runner.execute(out, prompt_logit_seq_ids, input_ids)
         if self.rank != 0:
             return None
