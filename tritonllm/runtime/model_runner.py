@@ -65,9 +65,11 @@ class ModelRunner:
         kv_cache_memory: int | None,
         gpu_memory_utilization: float,
         max_num_batched_tokens: int,
+        max_num_seqs: int = 256,
     ) -> int:
         """Blocks from, in order of precedence: an explicit count, an explicit byte budget, or (on a GPU)
-        the memory left under `gpu_memory_utilization` after a profiling forward pass of a full step."""
+        the memory left under `gpu_memory_utilization` after a profiling forward pass of a full step (and the
+        fp32 logits of one row per sequence)."""
         if num_gpu_blocks is not None:
             return num_gpu_blocks
         if kv_cache_memory is not None:
@@ -79,7 +81,7 @@ class ModelRunner:
         ids = torch.zeros(max_num_batched_tokens, dtype=torch.int64, device=self.device)
         with torch.inference_mode(), set_forward_context(None):
             hidden = self.model(ids, ids)
-            self.model.compute_logits(hidden[-min(256, len(hidden)) :])
+            self.model.compute_logits(hidden[-min(max_num_seqs, len(hidden)) :]).float()
         torch.cuda.synchronize(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)

@@ -176,7 +176,11 @@ class Worker:
         self.dtype = next(self.model.parameters()).dtype
         self.runner = ModelRunner(self.model, self.model_config, engine.block_size, self.device, self.dtype)
         num_blocks = self.runner.determine_num_blocks(
-            engine.num_gpu_blocks, engine.kv_cache_memory, engine.gpu_memory_utilization, config.max_num_batched_tokens
+            engine.num_gpu_blocks,
+            engine.kv_cache_memory,
+            engine.gpu_memory_utilization,
+            config.max_num_batched_tokens,
+            engine.max_num_seqs,
         )
         # Ranks may see different free memory; the scheduler's one block count must fit on every rank.
         self.runner.allocate_kv_cache(_min_over_ranks(num_blocks))
