@@ -108,7 +108,12 @@ def run_variant(name: str, model_dir: Path, device, args, bandwidth: float, work
         f"{name}: engine up in {start['total_s']:.1f} s ({start['num_graphs']} graphs, "
         f"{start['kv_cache_gib']:.1f} GiB KV cache)"
     )
-    result: dict[str, Any] = {"start": start}
+    limits = engine.scheduler.config
+    result: dict[str, Any] = {
+        "start": start,
+        "max_num_seqs": limits.max_num_seqs,
+        "max_num_batched_tokens": limits.max_num_batched_tokens,
+    }
     if decode:
         result["decode"] = decode_vs_roofline(engine, args, bandwidth)
     if offline:
@@ -155,16 +160,17 @@ def engine_kwargs(args) -> dict[str, Any]:
 
 def report(results: dict[str, Any], args) -> str:
     env = results["environment"]
+    variants = results["variants"]
+    first = next(iter(variants.values()), {})  # the limits the engine resolved (flags, else its defaults)
     parts = [
         f"# End-to-end: {args.preset} shape, random weights",
         f"{env['device']} · torch {env['torch']} · triton {env['triton']} · commit {env.get('commit', '?')} · "
         f"{env['date']}",
         f"Copy bandwidth (read + write): **{results['copy_bandwidth_gbs']:,.0f} GB/s**. "
-        f"max_model_len {args.max_model_len}, max_num_seqs {args.max_num_seqs}, "
-        f"max_num_batched_tokens {args.max_num_batched_tokens or 'default'}, "
+        f"max_model_len {args.max_model_len}, max_num_seqs {first.get('max_num_seqs', args.max_num_seqs)}, "
+        f"max_num_batched_tokens {first.get('max_num_batched_tokens', args.max_num_batched_tokens)}, "
         f"async scheduling {'on' if args.async_scheduling else 'off'}.",
     ]
-    variants = results["variants"]
     offline = [(n, v["offline"]) for n, v in variants.items() if "offline" in v]
     if offline:
         rows = [
@@ -355,7 +361,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--max-model-len", type=int, default=None, help="Engine context length (default 4096; the workload needs 650)."
     )
-    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-seqs", type=int, default=None, help="Default: the engine's.")
     p.add_argument(
         "--max-num-batched-tokens", type=int, default=None, help="Token budget per step (default: the engine's)."
     )

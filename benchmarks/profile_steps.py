@@ -179,7 +179,7 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=215)
     p.add_argument("--output-len", type=int, default=198)
     p.add_argument("--offline-skip-steps", type=int, default=150, help="Offline steps run before the window.")
-    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-seqs", type=int, default=None, help="Default: the engine's.")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="Default: the engine's.")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--max-model-len", type=int, default=None, help="Default: 4096 or the model's limit if lower.")

@@ -25,6 +25,15 @@ def default_device() -> torch.device:
     return torch.device("cuda" if HAS_CUDA and not INTERPRET else "cpu")
 
 
+def device_memory(requested: str | None) -> int | None:
+    """Total memory in bytes of the GPU an engine asking for `requested` (None: the default device) runs on;
+    None when that is not a GPU. With several ranks each has a GPU of its own; they are taken to be alike."""
+    device = torch.device(requested) if requested else default_device()
+    if device.type != "cuda" or not HAS_CUDA:
+        return None
+    return torch.cuda.get_device_properties(device.index or 0).total_memory
+
+
 def check_kernel_device(*tensors: torch.Tensor) -> None:
     """Fail early when a tensor sits where the kernels cannot reach it."""
     for t in tensors:

@@ -96,12 +96,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="Number of KV-cache blocks; overrides both memory budgets.",
     )
-    g.add_argument("--max-num-seqs", type=_positive_int, default=256, help="Most sequences in one batch (256).")
+    g.add_argument(
+        "--max-num-seqs",
+        type=_positive_int,
+        default=None,
+        help="Most sequences in one batch (default: 1024 on GPUs of 70 GiB or more, else 256).",
+    )
     g.add_argument(
         "--max-num-batched-tokens",
         type=_positive_int,
         default=None,
-        help="Token budget of one step (default: max(8192, max-model-len)); longer prompts are prefilled in chunks.",
+        help="Token budget of one step; longer prompts are prefilled in chunks (default: at least max-model-len, "
+        "and 16384 offline / 8192 when serving on GPUs of 70 GiB or more, else 8192).",
     )
     g.add_argument(
         "--enable-prefix-caching",
@@ -132,10 +138,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def engine_config_from_args(args: argparse.Namespace, model: str) -> EngineConfig:
+def engine_config_from_args(args: argparse.Namespace, model: str, serving: bool = False) -> EngineConfig:
     """An EngineConfig from parsed options; ValueError (with the reason) for a combination it rejects."""
     return EngineConfig(
         model=model,
+        serving=serving,
         tokenizer=args.tokenizer,
         revision=args.revision,
         dtype=args.dtype,

@@ -110,12 +110,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _engine(args: argparse.Namespace, parser: argparse.ArgumentParser):
+def _engine(args: argparse.Namespace, parser: argparse.ArgumentParser, serving: bool = False):
     from tritonllm.entrypoints.llm import DEFAULT_MODEL
     from tritonllm.runtime.engine import LLMEngine
 
     model = resolve_model(args, parser)
-    config = engine_config_from_args(args, model or DEFAULT_MODEL)
+    config = engine_config_from_args(args, model or DEFAULT_MODEL, serving)
     return LLMEngine(config), model
 
 
@@ -123,7 +123,7 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
     from tritonllm.entrypoints.openai.server import run_server
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    engine, model = _engine(args, parser)
+    engine, model = _engine(args, parser, serving=True)
     names = args.served_model_name or [model or DEFAULT_SERVED_NAME]
     run_server(engine, args.host, args.port, names, args.api_key, args.log_level)
 

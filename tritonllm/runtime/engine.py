@@ -29,6 +29,7 @@ import torch
 from tritonllm.models.config import ModelConfig
 from tritonllm.models.loader import resolve_model_path
 from tritonllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput, logprobs_dict
+from tritonllm.platform import device_memory
 from tritonllm.runtime.detokenizer import IncrementalDetokenizer
 from tritonllm.runtime.engine_config import EngineConfig
 from tritonllm.runtime.errors import EngineDeadError
@@ -82,11 +83,11 @@ class LLMEngine:
         self.tokenizer = Tokenizer(config.tokenizer or path)
         self.eos_token_ids = eos_token_ids(path, self.model_config.eos_token_ids, self.tokenizer.eos_token_id)
         self.max_model_len = config.resolve_max_model_len(self.model_config.max_position_embeddings)
-        max_batched = config.max_num_batched_tokens or max(config.DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_model_len)
+        max_num_seqs, max_batched = config.batch_limits(self.max_model_len, device_memory(config.device))
         self.dead_error: EngineDeadError | None = None
         # Loads the model on every rank and sizes the KV cache. In a torchrun launch, ranks > 0 stay in here.
         self.executor: Executor = create_executor(
-            WorkerConfig(config, path, self.max_model_len, max_batched, self.eos_token_ids)
+            WorkerConfig(config, path, self.max_model_len, max_num_seqs, max_batched, self.eos_token_ids)
         )
         num_blocks = self.executor.num_blocks
         self.scheduler = Scheduler(
@@ -94,7 +95,7 @@ class LLMEngine:
                 max_model_len=self.max_model_len,
                 num_blocks=num_blocks,
                 block_size=config.block_size,
-                max_num_seqs=config.max_num_seqs,
+                max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_batched,
                 enable_prefix_caching=config.enable_prefix_caching,
             )

@@ -34,6 +34,7 @@ class WorkerConfig:
     engine: EngineConfig
     model_path: str  # a local directory (the engine resolves hub ids once, before any worker starts)
     max_model_len: int
+    max_num_seqs: int
     max_num_batched_tokens: int
     eos_token_ids: frozenset[int]  # the stop tokens min_tokens bans while sampling
 
@@ -180,13 +181,13 @@ class Worker:
             engine.kv_cache_memory,
             engine.gpu_memory_utilization,
             config.max_num_batched_tokens,
-            engine.max_num_seqs,
+            config.max_num_seqs,
         )
         # Ranks may see different free memory; the scheduler's one block count must fit on every rank.
         self.runner.allocate_kv_cache(_min_over_ranks(num_blocks))
         if self.device.type == "cuda" and not engine.enforce_eager:
             self.runner.capture_decode_graphs(
-                engine.max_num_seqs, config.max_model_len, max_num_batched_tokens=config.max_num_batched_tokens
+                config.max_num_seqs, config.max_model_len, max_num_batched_tokens=config.max_num_batched_tokens
             )
         self.sampler = Sampler(engine.seed)
         self.mirror = SequenceMirror()

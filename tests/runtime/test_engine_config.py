@@ -1,0 +1,55 @@
+"""Batch limits: what a user sets is kept; otherwise they follow the GPU's memory, as vLLM's defaults do."""
+
+import pytest
+
+from tests.runtime.tiny_engine import make_engine
+from tritonllm.entrypoints.args import engine_config_from_args
+from tritonllm.entrypoints.cli import build_parser
+from tritonllm.runtime.engine_config import LARGE_GPU_MEMORY, EngineConfig
+
+GIB = 2**30
+
+
+@pytest.mark.parametrize(
+    ("memory", "serving", "max_model_len", "expected"),
+    [
+        (None, False, 2048, (256, 8192)),  # the CPU
+        (24 * GIB, False, 4096, (256, 8192)),
+        (24 * GIB, True, 4096, (256, 8192)),
+        (LARGE_GPU_MEMORY - 1, False, 4096, (256, 8192)),
+        (LARGE_GPU_MEMORY, False, 4096, (1024, 16384)),
+        (141 * GIB, False, 4096, (1024, 16384)),
+        (141 * GIB, True, 4096, (1024, 8192)),  # a server keeps steps short for inter-token latency
+        (141 * GIB, True, 32768, (1024, 32768)),  # a whole max-length prompt fits one step
+        (24 * GIB, False, 10000, (256, 10000)),
+    ],
+)
+def test_default_batch_limits_follow_the_gpu_memory(memory, serving, max_model_len, expected):
+    config = EngineConfig(model="m", serving=serving)
+    assert config.batch_limits(max_model_len, memory) == expected
+
+
+def test_set_batch_limits_are_kept():
+    config = EngineConfig(model="m", max_num_seqs=3, max_num_batched_tokens=40)
+    for memory in (None, 24 * GIB, 141 * GIB):
+        assert config.batch_limits(4096, memory) == (3, 40)
+    only_seqs = EngineConfig(model="m", max_num_seqs=7)
+    assert only_seqs.batch_limits(4096, 141 * GIB) == (7, 16384)
+    with pytest.raises(ValueError, match="max_num_seqs must be >= 1"):
+        EngineConfig(model="m", max_num_seqs=0)
+
+
+def test_the_server_asks_for_serving_defaults():
+    parser = build_parser()
+    serve = parser.parse_args(["serve"])
+    assert engine_config_from_args(serve, "m", serving=True).serving
+    generate = parser.parse_args(["generate", "x"])
+    config = engine_config_from_args(generate, "m")
+    assert not config.serving and config.max_num_seqs is None and config.max_num_batched_tokens is None
+
+
+def test_the_engine_schedules_with_the_resolved_limits():
+    engine = make_engine()  # the CPU: 256 sequences, max(8192, max_model_len) tokens
+    assert (engine.scheduler.config.max_num_seqs, engine.scheduler.config.max_num_batched_tokens) == (256, 8192)
+    engine = make_engine(max_num_seqs=5, max_num_batched_tokens=12)
+    assert (engine.scheduler.config.max_num_seqs, engine.scheduler.config.max_num_batched_tokens) == (5, 12)
