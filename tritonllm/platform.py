@@ -29,9 +29,10 @@ def device_memory(requested: str | None) -> int | None:
     """Total memory in bytes of the GPU an engine asking for `requested` (None: the default device) runs on;
     None when that is not a GPU. With several ranks each has a GPU of its own; they are taken to be alike."""
     device = torch.device(requested) if requested else default_device()
-    if device.type != "cuda" or not HAS_CUDA:
-        return None
-    return torch.cuda.get_device_properties(device.index or 0).total_memory
+    index = device.index or 0
+    if device.type != "cuda" or not HAS_CUDA or index >= torch.cuda.device_count():
+        return None  # not a GPU, or one that is not there: the engine's own checks name the problem
+    return torch.cuda.get_device_properties(index).total_memory
 
 
 def check_kernel_device(*tensors: torch.Tensor) -> None:

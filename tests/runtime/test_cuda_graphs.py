@@ -4,6 +4,8 @@ the capture itself. Where CUDA exists, the same test also replays captured graph
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import random
 
@@ -19,6 +21,7 @@ from tritonllm.platform import HAS_CUDA, INTERPRET
 from tritonllm.runtime.cuda_graphs import (
     CAPTURE_SIZE_LIMIT,
     DecodeInputs,
+    capture_graphs,
     capture_sizes,
     decode_rows,
     is_decode_step,
@@ -200,3 +203,33 @@ def test_padded_decode_matches_eager(tmp_path_factory, use_graphs, seed, dtype):
     assert graph_steps >= 2
     # The padding rows wrote nothing: the caches agree everywhere, unused slots included.
     torch.testing.assert_close(padded.kv_cache.float(), eager.kv_cache.float(), atol=tol, rtol=tol)
+
+
+def test_capture_keeps_the_garbage_collector_off_and_restores_it(monkeypatch):
+    # A collection during a capture could destroy an unreachable graph of an earlier engine inside it, which CUDA
+    # refuses. Stand-ins for the CUDA calls let this run on any machine.
+    class FakeGraph:
+        pass
+
+    captured = []
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", lambda graph, pool: contextlib.nullcontext())
+
+    def forward(size):
+        captured.append((size, gc.isenabled()))
+        return torch.full((size,), float(size))
+
+    assert gc.isenabled()
+    graphs, outputs = capture_graphs(forward, [1, 4, 2], torch.device("cpu"))
+    assert gc.isenabled()
+    assert captured == [(4, False), (4, False), (2, False), (2, False), (1, False), (1, False)]
+    assert sorted(graphs) == [1, 2, 4] and all(outputs[s].tolist() == [float(s)] * s for s in (1, 2, 4))
+
+    def failing(size):
+        raise RuntimeError("capture failed")
+
+    with pytest.raises(RuntimeError, match="capture failed"):
+        capture_graphs(failing, [1], torch.device("cpu"))
+    assert gc.isenabled()

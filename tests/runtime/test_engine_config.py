@@ -1,10 +1,13 @@
 """Batch limits: what a user sets is kept; otherwise they follow the GPU's memory, as vLLM's defaults do."""
 
 import pytest
+import torch
 
 from tests.runtime.tiny_engine import make_engine
 from tritonllm.entrypoints.args import engine_config_from_args
 from tritonllm.entrypoints.cli import build_parser
+from tritonllm.platform import device_memory
+from tritonllm.runtime import engine as engine_module
 from tritonllm.runtime.engine_config import LARGE_GPU_MEMORY, EngineConfig
 
 GIB = 2**30
@@ -48,8 +51,15 @@ def test_the_server_asks_for_serving_defaults():
     assert not config.serving and config.max_num_seqs is None and config.max_num_batched_tokens is None
 
 
-def test_the_engine_schedules_with_the_resolved_limits():
-    engine = make_engine()  # the CPU: 256 sequences, max(8192, max_model_len) tokens
-    assert (engine.scheduler.config.max_num_seqs, engine.scheduler.config.max_num_batched_tokens) == (256, 8192)
+def test_the_engine_schedules_with_the_resolved_limits(monkeypatch):
+    # The engine asks for the memory of its device; a large GPU is stood in for, so this runs anywhere.
+    monkeypatch.setattr(engine_module, "device_memory", lambda requested: 141 * GIB)
+    engine = make_engine()
+    assert (engine.scheduler.config.max_num_seqs, engine.scheduler.config.max_num_batched_tokens) == (1024, 16384)
     engine = make_engine(max_num_seqs=5, max_num_batched_tokens=12)
     assert (engine.scheduler.config.max_num_seqs, engine.scheduler.config.max_num_batched_tokens) == (5, 12)
+
+
+def test_device_memory_is_none_off_the_gpu_or_for_a_missing_gpu():
+    assert device_memory("cpu") is None
+    assert device_memory(f"cuda:{torch.cuda.device_count()}") is None  # refused later, with the engine's message

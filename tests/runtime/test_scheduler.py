@@ -526,6 +526,14 @@ def test_continuation_declines_where_only_schedule_can_go_on():
     following = sched.schedule_continuation(out)
     assert [e.seq.request_id for e in following.scheduled] == ["r"] and len(sched.waiting) == 1
 
+    sched = Scheduler(SchedulerConfig(max_model_len=64, num_blocks=8, block_size=4))
+    sched.add_request("r", [1, 2, 3, 4], Params(max_tokens=4))
+    out = sched.schedule()
+    sched.add_request("late", [5, 6], Params(max_tokens=2))
+    out.preempted_seq_ids = [99]  # as if this step had preempted: schedule() admits nothing after that either
+    following = sched.schedule_continuation(out)
+    assert [e.seq.request_id for e in following.scheduled] == ["r"] and len(sched.waiting) == 1
+
     sched = Scheduler(SchedulerConfig(max_model_len=64, num_blocks=8, block_size=4, max_num_seqs=1))
     sched.add_request("r", [1, 2, 3], Params(max_tokens=1))
     out = sched.schedule()

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import array
 import bisect
+import gc
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import numpy as np
 import torch
@@ -51,6 +52,35 @@ def padded_size(num_seqs: int, sizes: Sequence[int]) -> int | None:
     """The smallest bucket holding num_seqs sequences (sizes sorted ascending), or None if none does."""
     i = bisect.bisect_left(sizes, num_seqs)
     return sizes[i] if i < len(sizes) else None
+
+
+def capture_graphs(
+    forward: Callable[[int], torch.Tensor], sizes: Sequence[int], device: torch.device
+) -> tuple[dict[int, torch.cuda.CUDAGraph], dict[int, torch.Tensor]]:
+    """Warm up and capture forward(size) for each size, largest first, into one shared memory pool; returns the
+    graphs and their static outputs by size.
+
+    Python's garbage collector stays off while capturing: a collection that frees an unreachable graph (of an engine
+    dropped earlier) destroys it inside this capture, which CUDA refuses and which invalidates the capture."""
+    graphs: dict[int, torch.cuda.CUDAGraph] = {}
+    outputs: dict[int, torch.Tensor] = {}
+    pool = torch.cuda.graph_pool_handle()
+    gc.collect()
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        for size in sorted(sizes, reverse=True):
+            forward(size)  # compiles this shape's kernels outside the capture
+            torch.cuda.synchronize(device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                outputs[size] = forward(size)
+            graphs[size] = graph
+        torch.cuda.synchronize(device)
+    finally:
+        if collecting:
+            gc.enable()
+    return graphs, outputs
 
 
 def is_decode_step(out: SchedulerOutput, prompt_logit_seq_ids: Collection[int] = frozenset()) -> bool:
@@ -203,15 +233,7 @@ class DecodeGraphRunner:
         if not self.use_graphs:
             return
         start = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
-        for size in reversed(self.sizes):
-            self._forward(size)  # compiles the kernels of this shape outside the capture
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[size] = self._forward(size)
-            self.graphs[size] = graph
-        torch.cuda.synchronize(self.device)
+        self.graphs, self.outputs = capture_graphs(self._forward, self.sizes, self.device)
         self.capture_seconds = time.perf_counter() - start
 
     @torch.inference_mode()

@@ -25,6 +25,7 @@ from collections.abc import Collection, Sequence
 import torch
 from torch import nn
 
+from tritonllm.runtime.cuda_graphs import capture_graphs
 from tritonllm.runtime.forward_context import AttentionMetadata, set_forward_context
 from tritonllm.runtime.scheduler_output import SchedulerOutput
 from tritonllm.runtime.step_inputs import StepInputs
@@ -115,15 +116,7 @@ class MixedGraphRunner:
         if not self.use_graphs:
             return
         start = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
-        for bucket in reversed(self.buckets):
-            self._forward(bucket)  # compiles this shape's kernels outside the capture
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[bucket] = self._forward(bucket)
-            self.graphs[bucket] = graph
-        torch.cuda.synchronize(self.device)
+        self.graphs, self.outputs = capture_graphs(self._forward, self.buckets, self.device)
         self.capture_seconds = time.perf_counter() - start
 
     def _fill(self, step: StepInputs, bucket: int) -> None:

@@ -262,8 +262,9 @@ class Scheduler:
             pending_rows.append(sample_row)
 
         # Waiting sequences, FCFS, while they fit; a request that would fork stops admission (schedule() forks).
+        # None right after a preemption, as in schedule(): they would only be evicted again.
         seats = len(self.running) - ending
-        while self.waiting and budget > 0:
+        while self.waiting and budget > 0 and not previous.preempted_seq_ids:
             seq = self.waiting[0]
             if self._group_pending_fork(seq) or seats + 1 > self.config.max_num_seqs:
                 break
