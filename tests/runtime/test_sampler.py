@@ -1,5 +1,6 @@
 import math
 
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -89,6 +90,48 @@ def test_metadata_build(seed, v):
         assert meta.output_counts[r].tolist() == [outputs[r].count(t) for t in range(v)]
     banned = set(zip(meta.banned_rows.tolist(), meta.banned_tokens.tolist(), strict=True))
     assert banned == ({(0, 0)} if len(outputs[0]) < 3 else set()) | {(3, 1)}
+
+
+@given(seed=seeds(), v=vocab_sizes, data=st.data())
+def test_pending_tokens_count_as_if_the_host_held_them(seed, v, data):
+    # Asynchronous scheduling: a row's last output token may still be on the device (sampled by the step before).
+    n = 5
+    prompts, outputs = _histories(n, v, seed)
+    pending = data.draw(st.lists(st.booleans(), min_size=n, max_size=n))
+    g = torch.Generator().manual_seed(seed)
+    last = torch.randint(0, v, (n,), generator=g).tolist()
+    params = [
+        SamplingParams(temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2),
+        SamplingParams(temperature=0.0),
+        SamplingParams(seed=3, frequency_penalty=-0.7, min_tokens=4, stop_token_ids=[0]),
+        SamplingParams(temperature=0.0, presence_penalty=1.5),
+        SamplingParams(seed=5, repetition_penalty=0.8),
+    ]
+    held = [o + [t] if p else o for o, t, p in zip(outputs, last, pending, strict=True)]
+    expected = build_metadata(params, prompts, held, v, eos_token_id=0, device=DEVICE)
+    on_device = torch.tensor([t for t, p in zip(last, pending, strict=True) if p], device=DEVICE)
+    meta = build_metadata(
+        params, prompts, outputs, v, eos_token_id=0, num_pending=[int(p) for p in pending],
+        pending_token_ids=on_device, device=DEVICE,
+    )  # fmt: skip
+    for name in ("positions", "prompt_mask", "banned_rows", "banned_tokens"):
+        a, b = getattr(meta, name), getattr(expected, name)
+        assert (a is None and b is None) or torch.equal(a, b), name
+    penalized = [0, 2, 3, 4]  # the kernel reads no other row's counts
+    assert torch.equal(meta.output_counts[penalized], expected.output_counts[penalized])
+    logits = _logits(n, v, seed)
+    assert torch.equal(Sampler()(logits, meta).sampled_token_ids, Sampler()(logits, expected).sampled_token_ids)
+
+
+def test_pending_tokens_of_penalized_rows_are_required():
+    params = [SamplingParams(repetition_penalty=1.2), SamplingParams()]
+    with pytest.raises(ValueError, match="pass pending_token_ids"):
+        build_metadata(params, [[1, 2], [3]], [[4], []], 8, num_pending=[1, 0])
+    with pytest.raises(ValueError, match="at most one token pending"):
+        build_metadata(params, [[1, 2], [3]], [[4], []], 8, num_pending=[0, 2])
+    # Without penalties the pending tokens matter only for positions and min_tokens.
+    meta = build_metadata([SamplingParams(), SamplingParams()], [[1, 2], [3]], [[4], []], 8, num_pending=[1, 1])
+    assert meta.positions.tolist() == [4, 2] and meta.output_counts is None
 
 
 @given(seed=seeds(), n=st.sampled_from([1, 6, 17]), v=vocab_sizes)

@@ -278,8 +278,7 @@ class LLMEngine:
                     self.executor.discard(out.finished_seq_ids + out.preempted_seq_ids)
                     return []
                 pending = self.executor.launch_step(out, self._wants_prompt_logits(out))
-            # Penalties count every output token, so a sequence that has them cannot decode a pending one.
-            if self._continues and not any(e.seq.sampling_params.has_penalties for e in out.sampled):
+            if self._continues:
                 following = self.scheduler.schedule_continuation(out)
                 if following is not None:
                     launched = self.executor.launch_step(following, self._wants_prompt_logits(following), pending)

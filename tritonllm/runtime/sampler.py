@@ -89,6 +89,7 @@ class SamplingMetadata:
         eos_token_id: int | Collection[int] | None = None,
         sample_indices: Sequence[int] | None = None,
         num_pending: Sequence[int] | None = None,
+        pending_token_ids: torch.Tensor | None = None,
         device: torch.device | str = "cpu",
     ) -> "SamplingMetadata":
         """One row per entry: its request's params and token ids so far, the first num_prompt_tokens of them the
@@ -96,7 +97,8 @@ class SamplingMetadata:
         for rows with penalties. sample_indices: which of the request's n samples each row is (seeded rows use
         seed + index, as vLLM does). eos_token_id (one id or several, as Llama 3 lists) joins the stop tokens that
         min_tokens bans (unless ignore_eos). num_pending: output tokens each row has beyond its list, sampled by a
-        step still running (asynchronous scheduling); a row with penalties needs all of its tokens (0 pending)."""
+        step still running (asynchronous scheduling), at most one; pending_token_ids: those tokens on `device`, one
+        per row with one pending, in row order (penalties count them; only needed when a row has penalties)."""
         n = len(params)
         if not len(token_ids) == len(num_prompt_tokens) == n:
             raise ValueError(
@@ -105,8 +107,15 @@ class SamplingMetadata:
             )
         sample_indices = list(sample_indices) if sample_indices is not None else [0] * n
         pending = list(num_pending) if num_pending is not None else [0] * n
-        if any(k and p.has_penalties for k, p in zip(pending, params, strict=True)):
-            raise ValueError("penalties count every output token: a row with penalties cannot have tokens pending")
+        if any(k > 1 for k in pending):
+            raise ValueError(f"a row has at most one token pending, got num_pending={pending}")
+        pending_rows = [r for r, k in enumerate(pending) if k]
+        penalized_pending = any(params[r].has_penalties for r in pending_rows)
+        if penalized_pending and (pending_token_ids is None or pending_token_ids.shape != (len(pending_rows),)):
+            raise ValueError(
+                f"penalties count every output token: pass pending_token_ids, one per pending row "
+                f"({len(pending_rows)}), got {None if pending_token_ids is None else tuple(pending_token_ids.shape)}"
+            )
         lengths = [len(t) + k for t, k in zip(token_ids, pending, strict=True)]  # the sampled token's position
         greedy = [p.is_greedy for p in params]
 
@@ -148,6 +157,10 @@ class SamplingMetadata:
             out_rows, out_toks = _pairs(rows, [token_ids[r][num_prompt_tokens[r] :] for r in rows])
             ones = torch.ones(out_rows.numel(), dtype=torch.int32, device=device)
             meta.output_counts.index_put_((out_rows.to(device), out_toks.to(device)), ones, accumulate=True)
+            if penalized_pending:  # the tokens still on the device count too (rows without penalties are not read)
+                ones = torch.ones(len(pending_rows), dtype=torch.int32, device=device)
+                rows = row_tensor(pending_rows, torch.int64)
+                meta.output_counts.index_put_((rows, pending_token_ids.to(device)), ones, accumulate=True)
 
         banned = [
             (r, t)

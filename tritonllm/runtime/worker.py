@@ -230,6 +230,8 @@ class Worker:
                 eos_token_id=self.config.eos_token_ids,
                 sample_indices=[s.sample_index for s in seqs],
                 num_pending=[e.seq_len - e.seq.num_tokens for e in sampled] if out.is_continuation else None,
+                # The pending entries are sampled ones, in the same order.
+                pending_token_ids=input_ids.values if input_ids is not None else None,
                 device=result.sampled_logits.device,
             )
             sampler_out = self.sampler(result.sampled_logits, meta)
