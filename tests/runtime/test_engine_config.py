@@ -14,30 +14,28 @@ GIB = 2**30
 
 
 @pytest.mark.parametrize(
-    ("memory", "serving", "max_model_len", "expected"),
+    ("memory", "serving", "expected"),
     [
-        (None, False, 2048, (256, 8192)),  # the CPU
-        (24 * GIB, False, 4096, (256, 8192)),
-        (24 * GIB, True, 4096, (256, 8192)),
-        (LARGE_GPU_MEMORY - 1, False, 4096, (256, 8192)),
-        (LARGE_GPU_MEMORY, False, 4096, (1024, 16384)),
-        (141 * GIB, False, 4096, (1024, 16384)),
-        (141 * GIB, True, 4096, (1024, 8192)),  # a server keeps steps short for inter-token latency
-        (141 * GIB, True, 32768, (1024, 32768)),  # a whole max-length prompt fits one step
-        (24 * GIB, False, 10000, (256, 10000)),
+        (None, False, (256, 8192)),  # the CPU
+        (24 * GIB, False, (256, 8192)),
+        (24 * GIB, True, (256, 8192)),
+        (LARGE_GPU_MEMORY - 1, False, (256, 8192)),
+        (LARGE_GPU_MEMORY, False, (1024, 16384)),
+        (141 * GIB, False, (1024, 16384)),
+        (141 * GIB, True, (1024, 8192)),  # a server keeps steps short for inter-token latency
     ],
 )
-def test_default_batch_limits_follow_the_gpu_memory(memory, serving, max_model_len, expected):
+def test_default_batch_limits_follow_the_gpu_memory(memory, serving, expected):
     config = EngineConfig(model="m", serving=serving)
-    assert config.batch_limits(max_model_len, memory) == expected
+    assert config.batch_limits(memory) == expected
 
 
 def test_set_batch_limits_are_kept():
     config = EngineConfig(model="m", max_num_seqs=3, max_num_batched_tokens=40)
     for memory in (None, 24 * GIB, 141 * GIB):
-        assert config.batch_limits(4096, memory) == (3, 40)
+        assert config.batch_limits(memory) == (3, 40)
     only_seqs = EngineConfig(model="m", max_num_seqs=7)
-    assert only_seqs.batch_limits(4096, 141 * GIB) == (7, 16384)
+    assert only_seqs.batch_limits(141 * GIB) == (7, 16384)
     with pytest.raises(ValueError, match="max_num_seqs must be >= 1"):
         EngineConfig(model="m", max_num_seqs=0)
 

@@ -106,8 +106,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--max-num-batched-tokens",
         type=_positive_int,
         default=None,
-        help="Token budget of one step; longer prompts are prefilled in chunks (default: at least max-model-len, "
-        "and 16384 offline / 8192 when serving on GPUs of 70 GiB or more, else 8192).",
+        help="Token budget of one step; longer prompts are prefilled in chunks (default: 16384 offline / 8192 "
+        "when serving on GPUs of 70 GiB or more, else 8192).",
     )
     g.add_argument(
         "--enable-prefix-caching",

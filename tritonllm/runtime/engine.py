@@ -83,7 +83,7 @@ class LLMEngine:
         self.tokenizer = Tokenizer(config.tokenizer or path)
         self.eos_token_ids = eos_token_ids(path, self.model_config.eos_token_ids, self.tokenizer.eos_token_id)
         self.max_model_len = config.resolve_max_model_len(self.model_config.max_position_embeddings)
-        max_num_seqs, max_batched = config.batch_limits(self.max_model_len, device_memory(config.device))
+        max_num_seqs, max_batched = config.batch_limits(device_memory(config.device))
         self.dead_error: EngineDeadError | None = None
         # Loads the model on every rank and sizes the KV cache. In a torchrun launch, ranks > 0 stay in here.
         self.executor: Executor = create_executor(

@@ -22,7 +22,7 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes for the KV cache, on any device
     num_gpu_blocks: int | None = None  # KV blocks, overriding both budgets above
     max_num_seqs: int | None = None  # default: by GPU memory (`batch_limits`)
-    max_num_batched_tokens: int | None = None  # default: by GPU memory, at least max_model_len (`batch_limits`)
+    max_num_batched_tokens: int | None = None  # default: by GPU memory (`batch_limits`); longer prompts are chunked
     serving: bool = False  # an online server: smaller default steps, for inter-token latency
     enable_prefix_caching: bool = True
     seed: int = 0
@@ -46,14 +46,16 @@ class EngineConfig:
         if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1 (or None for the default), got {self.max_num_seqs}")
 
-    def batch_limits(self, max_model_len: int, device_memory: int | None) -> tuple[int, int]:
+    def batch_limits(self, device_memory: int | None) -> tuple[int, int]:
         """(max_num_seqs, max_num_batched_tokens): the values set, else defaults for a device of `device_memory`
         bytes (None: not a GPU). As vLLM's: GPUs of LARGE_GPU_MEMORY or more hold the KV of 1024 sequences of
-        chat-like lengths many times over, and bigger steps keep their GEMMs busy."""
+        chat-like lengths many times over, and bigger steps keep their GEMMs busy. The token budget does not grow
+        with max_model_len: a longer prompt is prefilled in chunks, and a 128k-token step would stall every decode
+        of the batch for as long as it runs."""
         large = device_memory is not None and device_memory >= LARGE_GPU_MEMORY
         seqs = 1024 if large else 256
         tokens = (8192 if self.serving else 16384) if large else 8192
-        return self.max_num_seqs or seqs, self.max_num_batched_tokens or max(tokens, max_model_len)
+        return self.max_num_seqs or seqs, self.max_num_batched_tokens or tokens
 
     def resolve_max_model_len(self, max_position_embeddings: int) -> int:
         if self.max_model_len is None:
