@@ -1,8 +1,8 @@
 """Asynchronous scheduling changes no answer: with continuations (the next step launched before the current one's
 tokens reach the host) every request gets the tokens, text, logprobs and finish reasons it gets with synchronous
 steps, including requests that stop on a token while a continuation runs, parallel samples, seeded sampling,
-penalties (which run without continuations), aborts in between, and requests queued, admitted and chunk-prefilled
-inside continuations (prompt logprobs included)."""
+penalties (which count the token still on the device), aborts in between, and requests queued, admitted and
+chunk-prefilled inside continuations (prompt logprobs included)."""
 
 import torch
 from hypothesis import Phase, given, settings

@@ -125,7 +125,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="Launch the next decode step before the current one's tokens reach the host, overlapping host work "
+        help="Launch the next step before the current one's tokens reach the host, overlapping host work "
         "with the GPU's (on by default; one rank only). Outputs are the same either way.",
     )
     g.add_argument(

@@ -267,12 +267,17 @@ class BlockManager:
             i = len(hashes)
             hashes.append(hash_block(hashes[-1] if hashes else _ROOT_HASH, seq.token_ids[i * bs : (i + 1) * bs]))
 
-    def _append_cost(self, seq: Sequence, num_new_tokens: int) -> int:
-        end_blocks = self.num_blocks_for(seq.num_computed_tokens + num_new_tokens)
+    def append_needs(self, seq: Sequence, start: int, end: int) -> tuple[int, int]:
+        """(fresh blocks, copy-on-write copies) that writing tokens start..end-1 of `seq` takes: blocks past its
+        table, and shared blocks (ref_count > 1) among those the tokens land in."""
+        end_blocks = self.num_blocks_for(end)
         table = seq.block_table
-        first = seq.num_computed_tokens // self.block_size
+        first = start // self.block_size
         copies = sum(1 for j in range(first, min(len(table), end_blocks)) if self.ref_counts[table[j]] > 1)
-        return max(0, end_blocks - len(table)) + copies
+        return max(0, end_blocks - len(table)), copies
+
+    def _append_cost(self, seq: Sequence, num_new_tokens: int) -> int:
+        return sum(self.append_needs(seq, seq.num_computed_tokens, seq.num_computed_tokens + num_new_tokens))
 
     def grow(self, seq: Sequence, num_tokens: int) -> None:
         """Append fresh blocks until the table covers `num_tokens` tokens; the caller has checked that enough

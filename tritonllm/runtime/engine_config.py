@@ -27,8 +27,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     enforce_eager: bool = False  # True: no CUDA graphs (decode steps run eagerly, as prefill steps always do)
-    # Schedule and launch the next decode step before the current one's tokens reach the host, so host work
-    # overlaps the GPU's (one rank only). Outputs are the same either way.
+    # Schedule and launch the next step before the current one's tokens reach the host, so host work overlaps
+    # the GPU's (one rank only). Outputs are the same either way.
     async_scheduling: bool = True
     tensor_parallel_size: int = 1  # ranks the model is sharded over, one process (and GPU) each; docs/distributed.md
 

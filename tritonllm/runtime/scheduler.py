@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from operator import attrgetter
 from typing import Any
 
-from tritonllm.runtime.block_manager import NO_HIT, BlockManager
+from tritonllm.runtime.block_manager import NO_HIT, BlockManager, PrefixHit
 from tritonllm.runtime.scheduler_output import ScheduledSequence, SchedulerOutput, SchedulerStats
 from tritonllm.runtime.sequence import Sequence, SequenceGroup, SequenceStatus
 
@@ -165,17 +165,14 @@ class Scheduler:
             forks = len(group.pending_fork) if seq.sample_index == 0 else 0
             if seats + 1 + forks > self.config.max_num_seqs:
                 break
-            # A cached prefix would skip the logits that prompt logprobs are made of.
-            hit = NO_HIT if getattr(seq.sampling_params, "prompt_logprobs", None) is not None else bm.lookup_prefix(seq)
+            hit = self._prefix_hit(seq)
             n = self._num_new_tokens(seq, hit.num_tokens, budget)
             fork_now = forks > 0 and hit.num_tokens == seq.num_prompt_tokens - 1
             if fork_now:
                 n = 1  # the prefix cache already covers the shared part: fork, then compute the last token
             if not bm.can_allocate(seq, n, hit):
                 break
-            self.waiting.pop(0)
-            seq.status = SequenceStatus.RUNNING
-            insort(self.running, seq, key=_KEY)
+            self._start_running()
             if fork_now:
                 bm.allocate(seq, 0, hit)
                 self._fork(group, seq)  # shares only full blocks: the last token starts a fresh block
@@ -243,11 +240,10 @@ class Scheduler:
             else:
                 start = entry.seq_len
                 n = self._num_new_tokens(seq, start, budget)
-            table = seq.block_table
-            end_blocks = bm.num_blocks_for(start + n)
-            if any(bm.ref_counts[table[j]] > 1 for j in range(start // bs, min(len(table), end_blocks))):
+            fresh, copies = bm.append_needs(seq, start, start + n)
+            if copies:
                 return None  # a shared block would need a copy first: the regular path does that
-            free -= max(0, end_blocks - len(table))
+            free -= fresh
             if free < 0:
                 return None  # the regular path preempts
             plan.append((seq, start, n, sample_row))
@@ -268,13 +264,11 @@ class Scheduler:
             seq = self.waiting[0]
             if self._group_pending_fork(seq) or seats + 1 > self.config.max_num_seqs:
                 break
-            hit = NO_HIT if getattr(seq.sampling_params, "prompt_logprobs", None) is not None else bm.lookup_prefix(seq)
+            hit = self._prefix_hit(seq)
             n = self._num_new_tokens(seq, hit.num_tokens, budget)
             if not bm.can_allocate(seq, n, hit):
                 break
-            self.waiting.pop(0)
-            seq.status = SequenceStatus.RUNNING
-            insort(self.running, seq, key=_KEY)
+            self._start_running()
             bm.allocate(seq, n, hit)
             scheduled.append(ScheduledSequence(seq, hit.num_tokens, n, hit.num_tokens + n == seq.num_tokens))
             pending_rows.append(-1)
@@ -332,6 +326,19 @@ class Scheduler:
         return ended
 
     # ---- internals --------------------------------------------------------------------------------
+
+    def _prefix_hit(self, seq: Sequence) -> PrefixHit:
+        # A cached prefix would skip the logits that prompt logprobs are made of.
+        if getattr(seq.sampling_params, "prompt_logprobs", None) is not None:
+            return NO_HIT
+        return self.block_manager.lookup_prefix(seq)
+
+    def _start_running(self) -> Sequence:
+        """Move the first waiting sequence to the running ones (its blocks are the caller's to allocate)."""
+        seq = self.waiting.pop(0)
+        seq.status = SequenceStatus.RUNNING
+        insort(self.running, seq, key=_KEY)
+        return seq
 
     def _num_new_tokens(self, seq: Sequence, num_computed: int, budget: int) -> int:
         n = seq.num_tokens - num_computed
