@@ -4,8 +4,9 @@
     python benchmarks/quant_gemm.py --sweep [--sweep-ms 1,4,16,64,128,512,2048]   # launch configs for the table
 
 Shapes are Llama-3.1-8B's projections (K, N); M runs from decode (1) to prefill. The default run prints, per
-shape and M, microseconds per call of the dense matmul (cuBLAS), the W4A16 GEMM (GPTQ layout with regular groups:
-what GPTQ and repacked AWQ checkpoints run), GPTQ act-order, and dequantize + matmul; dense / W4A16 (the targets:
+shape and M, microseconds per call of the dense matmul (cuBLAS), the W4A16 GEMM's default launch (GPTQ layout with
+regular groups: what GPTQ and repacked AWQ checkpoints run), its tl.dot kernel, GPTQ act-order, dequantize + matmul
+(the many-rows path) and the general dequantize kernel + matmul; dense / W4A16 (the targets:
 >= 3x at M <= 16, >= 1x at M = 128), the packed-weight bandwidth and TFLOP/s; and the one-time AWQ repack per
 shape. `--sweep` times every candidate launch of `sweep_candidates` (stage 1 with the automatic split-K, stage 2
 the three best with each split of `sweep_splits`), checks each result against the default launch's, and prints the
@@ -28,6 +29,7 @@ from bench_utils import bench_device, environment, log, markdown_table, sync, ti
 from tritonllm.kernels.quant_dequant import gptq_dequantize  # noqa: E402
 from tritonllm.kernels.quant_gemm import gptq_gemm  # noqa: E402
 from tritonllm.kernels.quant_gemm_config import (  # noqa: E402
+    DEQUANT_CONFIG,
     M_BUCKETS,
     QuantGemmConfig,
     auto_split_k,
@@ -39,7 +41,7 @@ from tritonllm.kernels.quant_gemm_config import (  # noqa: E402
 from tritonllm.quant.pack import pack_awq_int, pack_bits, repack_awq_as_gptq  # noqa: E402
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}  # (K, N)
-BATCHES = (1, 4, 16, 32, 128, 512, 2048)
+BATCHES = (1, 4, 16, 32, 128, 256, 512, 2048)
 SWEEP_MS = (1, 4, 16, 64, 128, 512, 2048)
 # --preset tiny: a toy size that runs anywhere (the CPU interpreter too), to check the script itself.
 TINY_SHAPES = {"tiny": (256, 64)}
@@ -57,13 +59,20 @@ def _tensors(k: int, n: int, group_size: int, device: str):
     return gptq, awq
 
 
-def _calls(x, dense, packed, perm, g):
+# The tl.dot kernel's launch where the default is dequantize + matmul (generic_config's tile for large M).
+FUSED_LARGE = QuantGemmConfig(128, 128, 64, 1, 8, 3)
+
+
+def _calls(x, dense, packed, perm, g, cfg):
     qw, qz, s = packed
+    dot = FUSED_LARGE if cfg.dequant else cfg
     return {
         "dense": lambda: x @ dense,
         "w4a16": lambda: gptq_gemm(x, qw, qz, s, 4, g, 0),
+        "dot": lambda: gptq_gemm(x, qw, qz, s, 4, g, 0, config=dot),
         "act_order": lambda: gptq_gemm(x, qw, qz, s, 4, g, 0, perm),
-        "deq_mm": lambda: x @ gptq_dequantize(qw, qz, s, None, 4, g, 0, dtype=x.dtype),
+        "deq_mm": lambda: gptq_gemm(x, qw, qz, s, 4, g, 0, config=DEQUANT_CONFIG),
+        "deq_mm_general": lambda: x @ gptq_dequantize(qw, qz, s, None, 4, g, 0, dtype=x.dtype),
     }
 
 
@@ -88,7 +97,7 @@ def run_default(shapes, batches, dtype: torch.dtype, g: int, sms: int, device: t
         for m in batches:
             x = torch.randn(m, k, device=device, dtype=dtype)
             cfg = quant_gemm_config(m, n, k, 4, sms)
-            us = {key: _ms(fn) * 1e3 for key, fn in _calls(x, dense, (qw, qz, s), perm, g).items()}
+            us = {key: _ms(fn) * 1e3 for key, fn in _calls(x, dense, (qw, qz, s), perm, g, cfg).items()}
             r = {
                 "shape": name,
                 "m": m,
@@ -101,12 +110,17 @@ def run_default(shapes, batches, dtype: torch.dtype, g: int, sms: int, device: t
             }
             results.append(r)
             rows.append(
-                [name, m, us["dense"], us["w4a16"], us["act_order"], us["deq_mm"], r["dense_over_w4a16"],
+                [name, m, us["dense"], us["w4a16"], us["dot"], us["act_order"], us["deq_mm"], us["deq_mm_general"],
+                 r["dense_over_w4a16"],
                  r["w4a16_gbs"], r["w4a16_tflops"], _describe(cfg)]
             )  # fmt: skip
-            log(f"{name:>8} M={m:<5} dense {us['dense']:8.1f} us  w4a16 {us['w4a16']:8.1f} us  x{rows[-1][6]:.2f}")
+            ratio = r["dense_over_w4a16"]
+            log(f"{name:>8} M={m:<5} dense {us['dense']:8.1f} us  w4a16 {us['w4a16']:8.1f} us  x{ratio:.2f}")
         log(f"{name}: AWQ repack at load {repack_ms:.1f} ms")
-    headers = ["shape", "M", "dense us", "w4a16 us", "act-order us", "deq+mm us", "dense/w4a16", "GB/s", "TFLOP/s"]
+    headers = [
+        "shape", "M", "dense us", "w4a16 us", "dot us", "act-order us", "deq+mm us", "general deq+mm us",
+        "dense/w4a16", "GB/s", "TFLOP/s",
+    ]  # fmt: skip
     md = markdown_table(headers + ["launch"], rows)
     return {"results": results, "markdown": md}
 
@@ -116,11 +130,15 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def _describe(cfg: QuantGemmConfig) -> str:
+    if cfg.dequant:
+        return f"dequant+mm n{cfg.block_n} k{cfg.block_k} w{cfg.num_warps}"
     kind = "gemv" if cfg.gemv else f"dot m{cfg.block_m}"
     return f"{kind} n{cfg.block_n} k{cfg.block_k} s{cfg.split_k} w{cfg.num_warps} st{cfg.num_stages}"
 
 
 def _with_split(cfg: QuantGemmConfig, m: int, n: int, k: int, sms: int, split: int | None = None):
+    if cfg.dequant:
+        return cfg
     if split is None:
         m_tiles = m if cfg.gemv else _cdiv(m, cfg.block_m)
         split = auto_split_k(m, m_tiles, _cdiv(n, cfg.block_n), k, cfg.block_k, sms)
@@ -149,7 +167,7 @@ def run_sweep(shapes, ms, dtype: torch.dtype, g: int, sms: int, device: torch.de
             x = torch.randn(m, k, device=device, dtype=dtype)
             expected = gptq_gemm(x, qw, qz, s, 4, g, 0).float()
             dense = torch.randn(k, n, device=device, dtype=dtype)
-            dense_ms = time_ms(_calls(x, dense, (qw, qz, s), None, g)["dense"], device, warmup_ms=5, rep_ms=20)
+            dense_ms = time_ms(lambda x=x, dense=dense: x @ dense, device, warmup_ms=5, rep_ms=20)
             default = quant_gemm_config(m, n, k, 4, sms)
             default_ms = _time_config(x, qw, qz, s, g, default, expected)
             stage1 = []
@@ -160,7 +178,7 @@ def run_sweep(shapes, ms, dtype: torch.dtype, g: int, sms: int, device: torch.de
                     stage1.append((t, cfg))
             stage1.sort(key=lambda r: r[0])
             timed = list(stage1)
-            for _, cfg in stage1[:3]:
+            for _, cfg in [r for r in stage1 if not r[1].dequant][:3]:
                 m_tiles = m if cfg.gemv else _cdiv(m, cfg.block_m)
                 for split in sweep_splits(m, m_tiles, _cdiv(n, cfg.block_n), k, cfg.block_k, sms):
                     if split != cfg.split_k:
@@ -181,7 +199,8 @@ def run_sweep(shapes, ms, dtype: torch.dtype, g: int, sms: int, device: torch.de
             rules.append(
                 f"    LaunchRule(m={bucket}, n=({n}, {n}), k=({k}, {k}), config=QuantGemmConfig({best.block_m}, "
                 f"{best.block_n}, {best.block_k}, {best.split_k}, {best.num_warps}, {best.num_stages}, "
-                f"gemv={best.gemv})),  # M={m} {name}: {best_ms * 1e3:.1f} us, dense / this {dense_ms / best_ms:.2f}"
+                f"gemv={best.gemv}, dequant={best.dequant})),  "
+                f"# M={m} {name}: {best_ms * 1e3:.1f} us, dense / this {dense_ms / best_ms:.2f}"
             )
             log(f"sweep M={m} {name}: best {_describe(best)} {best_ms * 1e3:.1f} us (dense {dense_ms * 1e3:.1f} us)")
     headers = ["M", "shape", "dense us", "default us", "best us", "dense/best", "best launch"]
@@ -197,6 +216,7 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=128)
     parser.add_argument("--sweep", action="store_true", help="time the candidate launches instead (minutes)")
     parser.add_argument("--sweep-ms", default=",".join(map(str, SWEEP_MS)), help="M values the sweep times")
+    parser.add_argument("--ms", default=",".join(map(str, BATCHES)), help="M values the default run times")
     parser.add_argument("--out", default=None, help="also write quant_gemm.json / .md here")
     parser.add_argument("--device", default=None, help="default: cuda, or the CPU interpreter without a GPU")
     parser.add_argument("--preset", default="llama8b", choices=["llama8b", "tiny"])
@@ -205,7 +225,7 @@ def main() -> None:
     device = bench_device(args.device)
     sms = num_sms(device.index or 0)
     tiny = args.preset == "tiny"
-    shapes, batches = (TINY_SHAPES, TINY_BATCHES) if tiny else (SHAPES, BATCHES)
+    shapes, batches = (TINY_SHAPES, TINY_BATCHES) if tiny else (SHAPES, tuple(int(v) for v in args.ms.split(",")))
     g = 64 if tiny else args.group_size
     log(f"{environment(device)['device']} ({sms} SMs), {args.dtype}, group size {g}")
     if args.sweep:

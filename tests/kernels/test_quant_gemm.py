@@ -1,6 +1,8 @@
 """Fused quantized GEMM: y = x[:, perm] @ dequant(W) (+ bias) per activation dtype, for GPTQ-packed weights of
-2, 4 and 8 bits (v1 / v2 zeros; AWQ is repacked into this layout), through the GEMV kernel and the tl.dot kernel,
-unsplit and split-K, for groups that are whole tiles, whole words or narrower than a word."""
+2, 4 and 8 bits (v1 / v2 zeros; AWQ is repacked into this layout), through the GEMV kernel, the tl.dot kernel
+(unsplit and split-K) and dequantize + matmul, for groups that are whole tiles, whole words or narrower than a word."""
+
+import dataclasses
 
 import pytest
 import torch
@@ -9,8 +11,11 @@ from hypothesis import strategies as st
 
 from tests.helpers import DEVICE, assert_close, dtypes, randn, seeds
 from tritonllm.kernels.arrival_counters import _COUNTERS
+from tritonllm.kernels.quant_dense import dense_weight
+from tritonllm.kernels.quant_dequant import gptq_dequantize_ref
 from tritonllm.kernels.quant_gemm import gptq_gemm, gptq_gemm_ref
 from tritonllm.kernels.quant_gemm_config import (
+    DEQUANT_MIN_M,
     HOPPER_TABLE,
     M_BUCKETS,
     QuantGemmConfig,
@@ -19,6 +24,7 @@ from tritonllm.kernels.quant_gemm_config import (
     quant_gemm_config,
     sweep_candidates,
 )
+from tritonllm.platform import INTERPRET
 from tritonllm.quant.pack import pack_bits
 
 # The dot kernel rounds the dequantized weight to the activation dtype before the product, so the error is a
@@ -31,14 +37,15 @@ KINDS = {
     "gemv": QuantGemmConfig(1, 32, 32, 1, 4, 2, gemv=True),  # next tile's loads issued one iteration ahead
     "gemv1": QuantGemmConfig(1, 32, 32, 1, 4, 1, gemv=True),  # no prefetch
     "dot": QuantGemmConfig(16, 32, 32, 1, 4, 2),
+    "dequant": QuantGemmConfig(1, 32, 32, 1, 4, 1, dequant=True),
 }
 
 
 def _config(kind: str, split: int) -> QuantGemmConfig | None:
     cfg = KINDS[kind]
-    if cfg is None:
-        return None
-    return QuantGemmConfig(cfg.block_m, cfg.block_n, cfg.block_k, split, cfg.num_warps, cfg.num_stages, cfg.gemv)
+    if cfg is None or cfg.dequant:  # dequantize + matmul does not split K
+        return cfg
+    return dataclasses.replace(cfg, split_k=split)
 
 
 def _weights(k, n, bits, group_size, seed):
@@ -82,6 +89,10 @@ def _weights(k, n, bits, group_size, seed):
     seed=10, m=3, bits=2, n_words=5, k_words=17, group_size=32, act_order=False, zero_offset=1, has_bias=False,
     dtype=torch.float32, kind="gemv", split=3,
 )  # fmt: skip
+@example(
+    seed=13, m=DEQUANT_MIN_M + 3, bits=4, n_words=5, k_words=17, group_size=64, act_order=True, zero_offset=1,
+    has_bias=True, dtype=torch.bfloat16, kind="auto", split=1,
+)  # fmt: skip
 def test_gemm_matches_reference(
     seed, m, bits, n_words, k_words, group_size, act_order, zero_offset, has_bias, dtype, kind, split
 ):
@@ -98,7 +109,7 @@ def test_gemm_matches_reference(
     assert_close(y, expected, dtype, scale=TOL_SCALE)
 
 
-@pytest.mark.parametrize("kind", ["gemv", "gemv1", "dot"])
+@pytest.mark.parametrize("kind", ["gemv", "gemv1", "dot", "dequant"])
 def test_group_narrower_than_a_word(kind):
     # 4-bit group of 4 rows: half a word per group, so scales change inside a packed word.
     k, n, bits, gs = 32, 16, 4, 4
@@ -130,6 +141,42 @@ def test_split_k_is_deterministic_and_leaves_its_counters_zeroed(kind):
     assert_close(first, unsplit, torch.float32)
 
 
+@given(
+    seed=seeds(),
+    bits=st.sampled_from([2, 4, 8]),
+    n_words=st.sampled_from([1, 5, 17]),
+    k_words=st.sampled_from([3, 17, 41]),
+    group_size=st.sampled_from([8, 32, 64, 128, -1]),
+    act_order=st.booleans(),
+    zero_offset=st.sampled_from([0, 1]),
+    dtype=dtypes,
+    block_k=st.sampled_from([16, 32, 128]),
+)
+def test_dense_weight_is_the_reference_rounded_once(
+    seed, bits, n_words, k_words, group_size, act_order, zero_offset, dtype, block_k
+):
+    # (q - z) * s in fp32 rounded once to the output dtype, bit for bit; with act-order, packed row i lands on
+    # row perm[i] (the input feature it multiplies), so x @ W^T needs no gather of x.
+    pack = 32 // bits
+    n, k = pack * n_words, pack * k_words
+    qweight, qzeros, scales = _weights(k, n, bits, group_size, seed)
+    perm = torch.randperm(k, generator=torch.Generator().manual_seed(seed + 1)).to(torch.int32) if act_order else None
+    g = k if group_size == -1 else group_size
+    block_k = max(block_k, pack)
+    w = dense_weight(
+        qweight, qzeros, scales, None if perm is None else perm.to(DEVICE), bits, g, zero_offset, dtype, 32, block_k, 4
+    )  # fmt: skip
+    ref = gptq_dequantize_ref(qweight, qzeros, scales, None, bits, group_size, zero_offset)
+    if perm is not None:
+        ref = torch.empty_like(ref).index_copy_(0, perm.long().to(DEVICE), ref)
+    assert w.shape == (k, n) and w.dtype == dtype
+    if dtype == torch.bfloat16 and INTERPRET:
+        # The interpreter truncates fp32 -> bf16 where compiled code rounds to nearest: within one bf16 ulp.
+        torch.testing.assert_close(w.float(), ref, rtol=2**-7, atol=0)
+    else:
+        assert torch.equal(w, ref.to(dtype))
+
+
 def test_permutation_selects_input_features():
     # One nonzero weight row: row i of the packed weight multiplies x[:, perm[i]].
     k, n, bits = 32, 16, 4
@@ -141,7 +188,7 @@ def test_permutation_selects_input_features():
     perm = torch.arange(k, dtype=torch.int32).roll(-5).to(DEVICE)  # row 0 <- feature 5
     x = torch.zeros(1, k, dtype=torch.float32, device=DEVICE)
     x[0, 5] = 2.0
-    for kind in ("gemv", "gemv1", "dot"):
+    for kind in ("gemv", "gemv1", "dot", "dequant"):
         y = gptq_gemm(x, qweight, qzeros, scales, bits, -1, zero_offset=0, perm=perm, config=_config(kind, 1))
         assert y.cpu().eq(6.0).all(), kind
 
@@ -157,8 +204,12 @@ def test_launch_heuristics():
         small = generic_config(16, n, k, sms=h200)
         assert not small.gemv and small.block_m == 16
         assert -(-n // small.block_n) * small.split_k >= h200
-        large = generic_config(2048, n, k, sms=h200)
-        assert large.split_k == 1 and large.block_m >= 64 and not large.gemv
+        large = generic_config(DEQUANT_MIN_M - 1, n, k, sms=h200)
+        assert large.split_k == 1 and large.block_m >= 64 and not large.gemv and not large.dequant
+        # From the crossover on, one dense matmul after dequantizing (the fused kernels' MMA rate is far below).
+        for m in (DEQUANT_MIN_M, 2048):
+            many = generic_config(m, n, k, sms=h200)
+            assert many.dequant and not many.gemv and many.split_k == 1
 
 
 def test_every_candidate_and_table_row_is_a_valid_launch():
@@ -183,6 +234,9 @@ def _fields(cfg):
         (QuantGemmConfig(8, 32, 32, 1, 4, 2), ">= 16"),
         (QuantGemmConfig(16, 48, 32, 1, 4, 2), "powers of two"),
         (QuantGemmConfig(16, 32, 32, 0, 4, 2), "split_k"),
+        (QuantGemmConfig(1, 32, 32, 1, 4, 1, gemv=True, dequant=True), "not both"),
+        (QuantGemmConfig(1, 32, 32, 2, 4, 1, dequant=True), "does not split"),
+        (QuantGemmConfig(1, 32, 12, 1, 4, 1, dequant=True), "powers of two"),
     ],
 )
 def test_bad_configs_are_refused(cfg, message):

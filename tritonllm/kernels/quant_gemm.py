@@ -7,15 +7,16 @@ One layout for every format: GPTQ's (AWQ checkpoints are repacked into it once a
     scales  [G, N]                        W^T[k, n] = (q[k, n] - z[k // g, n]) * s[k // g, n]
 A row of words is contiguous along N, so a [BLOCK_K // P, BLOCK_N] tile of words is one coalesced load per row.
 
-Two kernels; quant_gemm_config.py picks one from M (with every launch heuristic):
+Three paths; quant_gemm_config.py picks one from M (with every launch heuristic):
   * `_quant_gemv_kernel` (quant_gemv.py, decode rows): CUDA-core FMAs, one activation row per program.
   * `_quant_gemm_kernel` (here): each K tile of weights is dequantized in registers to fp32 ((q - z) * s, exact
     up to one rounding, see quant_gemm_common.py), rounded once to x's dtype and fed to tl.dot with an fp32
     accumulator. The tile's B rows are ordered value-major (row p * KW + r holds K row k0 + r * P + p: every
     value p of a word row is produced in the same registers as the word, so B reaches shared memory in
     vectorized stores), and x's tile is permuted to the same order in registers.
-Both split K when the (M, N) tiles alone cannot fill the GPU, the splits reduced inside the same launch by the
-last program of each tile (quant_gemm_common.py): deterministic, no second kernel.
+  * many rows (quant_dense.py): the weights dequantized to a dense W^T in x's dtype, then one cuBLAS matmul.
+The two kernels split K when the (M, N) tiles alone cannot fill the GPU, the splits reduced inside the same launch
+by the last program of each tile (quant_gemm_common.py): deterministic, no second kernel.
 """
 
 import torch
@@ -23,8 +24,9 @@ import triton
 import triton.language as tl
 
 from tritonllm.kernels.arrival_counters import arrival_counters
+from tritonllm.kernels.quant_dense import dequantized_matmul
 from tritonllm.kernels.quant_dequant import gptq_dequantize_ref
-from tritonllm.kernels.quant_gemm_common import group_params, magic, store_output
+from tritonllm.kernels.quant_gemm_common import dequant_words, grouping, load_word_tile, store_output
 from tritonllm.kernels.quant_gemm_config import QuantGemmConfig, check_config, num_sms, quant_gemm_config
 from tritonllm.kernels.quant_gemv import _quant_gemv_kernel
 from tritonllm.platform import INTERPRET, check_kernel_device
@@ -82,51 +84,20 @@ def _quant_gemm_kernel(
     mask_m = offs_m < M
     mask_n = offs_n < N
     offs_m64 = offs_m.to(tl.int64)
-    offs_n64 = offs_n.to(tl.int64)
-    # Value p of a word is read in place within its 16-bit half (see the GEMV kernel): it sits at bit `pos` of
-    # word >> (16 * (p // HALF)). Per value p, as [PACK, 1, 1] constants folded per register.
-    HALF: tl.constexpr = PACK // 2
-    p = tl.arange(0, PACK)[:, None, None]
-    hi = (p >= HALF).to(tl.int32)
-    pos = (p % HALF) * BITS
-    field = (((1 << BITS) - 1) << pos) | 0x4B000000
-    unscale = ((127 - pos) << 23).to(tl.float32, bitcast=True)  # 2^-pos
-
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_start = pid_s * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_kw = k0 // PACK + tl.arange(0, KW)
         mask_kw = offs_kw < K // PACK
-        # [1, KW, BLOCK_N]: loaded 3-D so the dequantization below keeps the load's vectorized layout.
-        words = tl.load(
-            qweight_ptr + offs_kw.to(tl.int64)[None, :, None] * stride_qw_k + offs_n64[None, None, :] * stride_qw_n,
-            mask=mask_kw[None, :, None] & mask_n[None, None, :],
-            other=0,
-        )
-        # [PACK, KW, BLOCK_N], value p of word row r: K row k0 + r * PACK + p.
-        k3 = (offs_kw * PACK)[None, :, None] + p
-        if GROUPS == "tile":
-            z, s = group_params(
-                qzeros_ptr, scales_ptr, k0 // GROUP_SIZE, mask_n, offs_n, stride_qz_g, stride_qz_n, stride_s_g,
-                stride_s_n, BITS, ZERO_OFFSET,
-            )  # fmt: skip
-            z = z[None, None, :]
-            s = s[None, None, :]
-        elif GROUPS == "word":
-            z, s = group_params(
-                qzeros_ptr, scales_ptr, (offs_kw * PACK // GROUP_SIZE)[None, :, None],
-                (mask_kw[:, None] & mask_n[None, :])[None, :, :], offs_n[None, None, :], stride_qz_g, stride_qz_n,
-                stride_s_g, stride_s_n, BITS, ZERO_OFFSET,
-            )  # fmt: skip
-        else:  # groups narrower than a word: scales per K row
-            z, s = group_params(
-                qzeros_ptr, scales_ptr, k3 // GROUP_SIZE, (k3 < K) & mask_n[None, None, :], offs_n[None, None, :],
-                stride_qz_g, stride_qz_n, stride_s_g, stride_s_n, BITS, ZERO_OFFSET,
-            )  # fmt: skip
-        v = (((words >> (16 * hi)) | 0x4B000000) & field).to(tl.float32, bitcast=True)  # 2^23 + q * 2^pos
-        # B rows run value-major (row p * KW + r): x's tile is loaded in K order and permuted to match.
-        w = tl.reshape((v - magic(z << pos)) * (s * unscale), (BLOCK_K, BLOCK_N))
+        words = load_word_tile(qweight_ptr, offs_kw, mask_kw, offs_n, mask_n, stride_qw_k, stride_qw_n)
+        # [PACK, KW, BLOCK_N] -> B rows value-major (row p * KW + r holds K row k0 + r * PACK + p); x's tile is
+        # loaded in K order and permuted to match.
+        w = dequant_words(
+            words, offs_kw, mask_kw, offs_n, mask_n, k0, K, qzeros_ptr, scales_ptr, stride_qz_g, stride_qz_n,
+            stride_s_g, stride_s_n, BITS, GROUP_SIZE, ZERO_OFFSET, GROUPS,
+        )  # fmt: skip
+        w = tl.reshape(w, (BLOCK_K, BLOCK_N))
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < K
         cols = offs_k
@@ -153,13 +124,6 @@ def _quant_gemm_kernel(
     )  # fmt: skip
 
 
-def _grouping(group: int, k: int, bits: int, block_k: int) -> str:
-    """How scales vary inside a K tile: "tile" (one group per tile), "word" (per word row) or "row"."""
-    if group >= k or group % block_k == 0:
-        return "tile"
-    return "word" if group % (32 // bits) == 0 else "row"
-
-
 def _launch(x, qweight, qzeros, scales, perm, bias, n, bits, group_size, zero_offset, config) -> torch.Tensor:
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"activations must be float16, bfloat16 or float32, got {x.dtype}")
@@ -171,12 +135,16 @@ def _launch(x, qweight, qzeros, scales, perm, bias, n, bits, group_size, zero_of
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
-        return out.reshape(*lead, n)
+        return x.new_empty(*lead, n)
     group = k if group_size == -1 else group_size
     cfg = config or quant_gemm_config(m, n, k, bits, num_sms(x.device.index or 0))
     check_config(cfg, bits)
+    if cfg.dequant:
+        return dequantized_matmul(x2, qweight, qzeros, scales, perm, bias, bits, group, zero_offset, cfg).reshape(
+            *lead, n
+        )
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     split = cfg.split_k if m * n < 2**31 else 1  # split-K offsets within a split are int32
     k_per_split = triton.cdiv(triton.cdiv(k, split), cfg.block_k) * cfg.block_k
     split_k = triton.cdiv(k, k_per_split)  # no empty splits
@@ -218,7 +186,7 @@ def _launch(x, qweight, qzeros, scales, perm, bias, n, bits, group_size, zero_of
         BITS=bits,
         GROUP_SIZE=group,
         ZERO_OFFSET=zero_offset,
-        GROUPS=_grouping(group, k, bits, cfg.block_k),
+        GROUPS=grouping(group, k, bits, cfg.block_k),
         HAS_PERM=perm is not None,
         HAS_BIAS=bias is not None,
         SPLIT=split_k > 1,

@@ -1,5 +1,5 @@
-"""Device code shared by the fused quantized GEMM kernels (quant_gemm.py, quant_gemv.py): dequantization pieces
-and the output stage (bias, cast, split-K reduction), which the dense GEMV (dense_gemv.py) uses too.
+"""Device code shared by the quantized GEMM kernels (quant_gemm.py, quant_gemv.py, quant_dense.py): dequantization
+pieces and the output stage (bias, cast, split-K reduction), which the dense GEMV (dense_gemv.py) uses too.
 
 Dequantization without int->float conversions (a quarter-rate instruction on Hopper): an integer i < 2^23 OR-ed
 into the mantissa of 2^23 (bits 0x4B000000) reads as the fp32 2^23 + i exactly, so (2^23 + q) - (2^23 + z) is
@@ -45,6 +45,77 @@ def group_params(
 def magic(i):
     """2^23 + i as fp32, exactly, for int32 0 <= i < 2^23 (0x4B000000 is 2^23's bit pattern)."""
     return (i | 0x4B000000).to(tl.float32, bitcast=True)
+
+
+def grouping(group: int, k: int, bits: int, block_k: int) -> str:
+    """How scales vary inside a K tile: "tile" (one group per tile), "word" (per word row) or "row"."""
+    if group >= k or group % block_k == 0:
+        return "tile"
+    return "word" if group % (32 // bits) == 0 else "row"
+
+
+@triton.jit
+def load_word_tile(qweight_ptr, offs_kw, mask_kw, offs_n, mask_n, stride_qw_k, stride_qw_n):
+    """The packed words of word rows `offs_kw` and columns `offs_n` as [1, KW, BLOCK_N], loaded 3-D so that
+    `dequant_words` keeps the load's vectorized layout."""
+    rows = offs_kw.to(tl.int64)[None, :, None] * stride_qw_k
+    ptrs = qweight_ptr + rows + offs_n.to(tl.int64)[None, None, :] * stride_qw_n
+    return tl.load(ptrs, mask=mask_kw[None, :, None] & mask_n[None, None, :], other=0)
+
+
+@triton.jit
+def dequant_words(
+    words,
+    offs_kw,
+    mask_kw,
+    offs_n,
+    mask_n,
+    k0,
+    K,
+    qzeros_ptr,
+    scales_ptr,
+    stride_qz_g,
+    stride_qz_n,
+    stride_s_g,
+    stride_s_n,
+    BITS: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    ZERO_OFFSET: tl.constexpr,
+    GROUPS: tl.constexpr,
+):
+    """fp32 W^T values of the K tile at k0 from its packed words [1, KW, BLOCK_N] (word rows `offs_kw`), as
+    [PACK, KW, BLOCK_N]: value p of word row r is K row offs_kw[r] * PACK + p. Every value of a word comes out in
+    the word's own registers, so the tile keeps the load's vectorized layout. `GROUPS` comes from `grouping`."""
+    PACK: tl.constexpr = 32 // BITS
+    # Value p is read in place within its 16-bit half: it sits at bit `pos` of word >> (16 * (p // HALF)). Per
+    # value p, as [PACK, 1, 1] constants folded per register.
+    HALF: tl.constexpr = PACK // 2
+    p = tl.arange(0, PACK)[:, None, None]
+    hi = (p >= HALF).to(tl.int32)
+    pos = (p % HALF) * BITS
+    field = (((1 << BITS) - 1) << pos) | 0x4B000000
+    unscale = ((127 - pos) << 23).to(tl.float32, bitcast=True)  # 2^-pos
+    if GROUPS == "tile":
+        z, s = group_params(
+            qzeros_ptr, scales_ptr, k0 // GROUP_SIZE, mask_n, offs_n, stride_qz_g, stride_qz_n, stride_s_g,
+            stride_s_n, BITS, ZERO_OFFSET,
+        )  # fmt: skip
+        z = z[None, None, :]
+        s = s[None, None, :]
+    elif GROUPS == "word":
+        z, s = group_params(
+            qzeros_ptr, scales_ptr, (offs_kw * PACK // GROUP_SIZE)[None, :, None],
+            (mask_kw[:, None] & mask_n[None, :])[None, :, :], offs_n[None, None, :], stride_qz_g, stride_qz_n,
+            stride_s_g, stride_s_n, BITS, ZERO_OFFSET,
+        )  # fmt: skip
+    else:  # groups narrower than a word: scales per K row
+        k3 = (offs_kw * PACK)[None, :, None] + p
+        z, s = group_params(
+            qzeros_ptr, scales_ptr, k3 // GROUP_SIZE, (k3 < K) & mask_n[None, None, :], offs_n[None, None, :],
+            stride_qz_g, stride_qz_n, stride_s_g, stride_s_n, BITS, ZERO_OFFSET,
+        )  # fmt: skip
+    v = (((words >> (16 * hi)) | 0x4B000000) & field).to(tl.float32, bitcast=True)  # 2^23 + q * 2^pos
+    return (v - magic(z << pos)) * (s * unscale)
 
 
 @triton.jit

@@ -1,10 +1,12 @@
 """Launch heuristics of the fused W4A16 GEMM (tritonllm/kernels/quant_gemm.py), all in one place.
 
-Two kernels, picked per call from M:
+Three paths, picked per call from M:
   * GEMV (`gemv=True`, decode): one activation row per program, the packed weights streamed through CUDA-core
     FMAs. Memory bound: what matters is enough programs in flight to keep DRAM busy, hence split-K.
-  * GEMM (`gemv=False`): tl.dot over dequantized tiles, BLOCK_M >= 16 (the MMA height); small M splits K as
-    well, large M runs unsplit with wgmma-sized tiles.
+  * GEMM (neither flag): tl.dot over dequantized tiles, BLOCK_M >= 16 (the MMA height); small M splits K as
+    well, larger M runs unsplit with wgmma-sized tiles.
+  * dequantize + matmul (`dequant=True`, from `DEQUANT_MIN_M` rows): a dense W^T written in [BLOCK_K, BLOCK_N]
+    tiles, then cuBLAS (quant_dense.py); block_m, split_k and num_stages do not apply.
 
 `quant_gemm_config` reads the Hopper table `HOPPER_TABLE` first (rows keyed by M bucket and N / K ranges, filled
 from `python benchmarks/quant_gemm.py --sweep`, which times `sweep_candidates` on the GPU and prints rows in the
@@ -29,6 +31,7 @@ class QuantGemmConfig:
     num_warps: int
     num_stages: int  # GEMV kernel: > 1 loads each K tile one iteration ahead
     gemv: bool = False  # CUDA-core GEMV kernel instead of the tl.dot one
+    dequant: bool = False  # dense W^T then a cuBLAS matmul (block_n, block_k, num_warps: the dequant tile)
 
 
 @dataclass(slots=True, frozen=True)
@@ -49,6 +52,12 @@ M_BUCKETS: tuple[tuple[int, int], ...] = ((1, 1), (2, 4), (5, 16), (17, 64), (65
 # The fallback's GEMV limit: per weight the GEMV kernel issues about 5 instructions per row (sm_90 SASS), the
 # 16-row tl.dot kernel about 8 for all its rows, so from two rows on the dot kernel does less work.
 GEMV_MAX_M = 1
+# The fallback's crossover to dequantize + matmul: the fused tl.dot kernel runs at 35-45% of the dense matmul's rate
+# from a few hundred rows on, while dequantizing costs one write of W^T whatever M is (vLLM's AWQ layer also
+# switches at 256 tokens).
+DEQUANT_MIN_M = 256
+# The dequantization tile: whole groups of 128 rows when K allows, 2 KiB of bf16 per output row segment.
+DEQUANT_CONFIG = QuantGemmConfig(1, 256, 64, 1, 4, 1, dequant=True)
 
 # Hopper (H200, 132 SMs) rows for fp16/bf16 at group size 128, Llama-3.1-8B's projections (qkv, o, gate_up, down);
 # other shapes and M buckets fall back to the generic heuristics below. Measured with
@@ -119,7 +128,10 @@ def auto_split_k(m: int, m_tiles: int, n_tiles: int, k: int, block_k: int, sms: 
 
 
 def generic_config(m: int, n: int, k: int, sms: int) -> QuantGemmConfig:
-    """The fallback: GEMV for a few rows, a 16-row MMA tile up to 16, wgmma-sized tiles beyond."""
+    """The fallback: GEMV for a few rows, a 16-row MMA tile up to 16, wgmma-sized tiles beyond, dequantize +
+    matmul from `DEQUANT_MIN_M` rows."""
+    if m >= DEQUANT_MIN_M:
+        return DEQUANT_CONFIG
     if m <= GEMV_MAX_M:
         block_m, block_n, block_k, warps, stages, gemv = 1, 128, 128, 4, 2, True
     elif m <= 16:
@@ -141,9 +153,13 @@ def check_config(cfg: QuantGemmConfig, bits: int) -> None:
         raise ValueError(f"block sizes must be powers of two, got {sizes}")
     if cfg.block_k % pack:
         raise ValueError(f"block_k {cfg.block_k} must hold whole words of {pack} {bits}-bit values")
+    if cfg.gemv and cfg.dequant:
+        raise ValueError("a config is either the GEMV kernel (gemv) or dequantize + matmul (dequant), not both")
     if cfg.gemv and cfg.block_m != 1:
         raise ValueError(f"the GEMV kernel takes block_m 1 (one row per program), got {cfg.block_m}")
-    if not cfg.gemv and min(sizes) < 16:
+    if cfg.dequant and cfg.split_k != 1:
+        raise ValueError(f"dequantize + matmul does not split K, got split_k {cfg.split_k}")
+    if not cfg.gemv and not cfg.dequant and min(sizes) < 16:
         raise ValueError(f"tl.dot needs block_m, block_n, block_k >= 16, got {sizes}")
     if cfg.split_k < 1:
         raise ValueError(f"split_k must be >= 1, got {cfg.split_k}")
@@ -161,7 +177,8 @@ def quant_gemm_config(m: int, n: int, k: int, bits: int = 4, sms: int | None = N
 
 
 def sweep_candidates(m: int) -> list[QuantGemmConfig]:
-    """Tile configs worth timing for M rows on Hopper (split_k 0: `sweep_splits` supplies the splits)."""
+    """Launch configs worth timing for M rows on Hopper (split_k 0: `sweep_splits` supplies the splits; dequantize +
+    matmul configs come with split_k 1)."""
     out: list[QuantGemmConfig] = []
     if m <= 8:
         for block_n in (64, 128, 256):
@@ -183,6 +200,11 @@ def sweep_candidates(m: int) -> list[QuantGemmConfig]:
                 warps = 8 if block_m >= 64 else 4  # 64-row tiles: two warpgroups; larger tiles spill on sm_90
                 if block_n * block_k <= 16384 and block_m * block_n <= 16384 and block_m * block_n * block_k <= 2**20:
                     out.append(QuantGemmConfig(block_m, block_n, block_k, 0, warps, 3))
+    if m >= 64:  # dequantize + matmul: the dequantization tile (split_k is always 1)
+        for block_n in (128, 256, 512):
+            for block_k in (32, 64, 128):
+                for warps in (4, 8):
+                    out.append(QuantGemmConfig(1, block_n, block_k, 1, warps, 1, dequant=True))
     return out
 
 
