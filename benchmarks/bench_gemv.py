@@ -35,6 +35,8 @@ from bench_utils import (  # noqa: E402
     environment,
     log,
     markdown_table,
+    stream_copies,
+    stream_us,
     time_ms,
     write_results,
 )
@@ -62,8 +64,6 @@ SMOKE_SHAPES = {"tiny": (96, 40)}
 SMOKE_MS = (1, 5)
 SPLITS = (1, 2, 4, 8)
 _SMEM_LIMIT = 227 * 1024  # shared memory one Hopper CTA may use
-_STREAM_BYTES = 512 << 20  # weights one timed graph streams through: ~10x the H200's L2
-_STREAM_REPS = 15
 
 
 def _tensors(m: int, k: int, n: int, dtype: torch.dtype, device: torch.device):
@@ -82,43 +82,12 @@ def _describe(cfg: GemvConfig) -> str:
     return f"{path} n{cfg.block_n} k{cfg.block_k} s{cfg.split_k} w{cfg.num_warps} st{cfg.num_stages}"
 
 
-def _copies(w: torch.Tensor) -> list[torch.Tensor]:
-    """w and clones of it, together at least _STREAM_BYTES: more than L2 holds, so each call reads HBM."""
-    count = max(2, -(-_STREAM_BYTES // (w.numel() * w.element_size())))
-    return [w] + [w.clone() for _ in range(count - 1)]
-
-
 def _gemv_call(x: torch.Tensor, out: torch.Tensor, cfg: GemvConfig | None = None) -> Callable[[torch.Tensor], object]:
     return lambda w: dense_gemv(x, w, out=out, config=cfg)
 
 
 def _linear_call(x: torch.Tensor) -> Callable[[torch.Tensor], object]:
     return lambda w: F.linear(x, w)
-
-
-def stream_us(call: Callable[[torch.Tensor], object], weights: list[torch.Tensor], device: torch.device) -> float:
-    """Microseconds per call when consecutive calls read different weights, as a decode step's layers do: one CUDA
-    graph calls `call(w)` for each of `weights`, replayed back to back, no flush (a flush leaves L2 full of dirty
-    lines that the next kernel's reads must first write back, which no decode layer pays). Elsewhere: time_ms."""
-    if device.type != "cuda":
-        return time_ms(lambda: call(weights[0]), device, warmup_ms=1, rep_ms=20) * 1e3
-    for w in weights[:2]:
-        call(w)  # compile, allocate split-K counters
-    torch.cuda.synchronize(device)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for w in weights:
-            call(w)
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(_STREAM_REPS):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(weights))
-    return sorted(times)[len(times) // 2]
 
 
 def run_default(shapes, ms, dtype, device, bandwidth, rep_ms: float) -> dict:
@@ -131,7 +100,7 @@ def run_default(shapes, ms, dtype, device, bandwidth, rep_ms: float) -> dict:
             y = dense_gemv(x, w)
             err = (y.float() - dense_gemv_ref(x, w)).abs().max().item()
             out = torch.empty_like(y)
-            weights = _copies(w)
+            weights = stream_copies(w)
             with torch.inference_mode():
                 us = stream_us(_gemv_call(x, out), weights, device)
                 us_torch = stream_us(_linear_call(x), weights, device)
@@ -216,7 +185,7 @@ def run_sweep(shapes, ms, dtype, device, bandwidth, rep_ms: float, limit: int = 
             expected = dense_gemv_ref(x, w)
             tol = 2e-2 * expected.abs().max().item() + 1e-3
             out = torch.empty(m, n, dtype=dtype, device=device)
-            weights = _copies(w)
+            weights = stream_copies(w)
             linear_ms = stream_us(_linear_call(x), weights, device) / 1e3
             default = gemv_config(m, n, k, dtype, sms)
             default_ms = _time_config(x, w, out, default, expected, tol, weights)

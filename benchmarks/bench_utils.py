@@ -11,12 +11,14 @@ import subprocess
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 import tritonllm  # noqa: F401  (sets TRITON_INTERPRET before triton is used without a GPU)
 from tritonllm.platform import default_device
+
+T = TypeVar("T")
 
 
 def bench_device(name: str | None = None) -> torch.device:
@@ -42,6 +44,48 @@ def time_ms(fn: Callable[[], Any], device: torch.device, warmup_ms: float = 25, 
         start = time.perf_counter()
         fn()
         times.append((time.perf_counter() - start) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+STREAM_BYTES = 512 << 20  # weights one timed graph streams through: ~10x the H200's L2
+_STREAM_REPS = 15
+
+
+def stream_copies(item: T) -> list[T]:
+    """`item` (a tensor or a tuple of tensors) and clones of it, together at least STREAM_BYTES: more than L2
+    holds, so each call in `stream_us` reads its weights from HBM."""
+    tensors = item if isinstance(item, tuple) else (item,)
+    if tensors[0].device.type != "cuda":  # stream_us times one call there
+        return [item]
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    count = max(2, -(-STREAM_BYTES // nbytes))
+    clones = [tuple(t.clone() for t in tensors) if isinstance(item, tuple) else item.clone() for _ in range(count - 1)]
+    return [item, *clones]
+
+
+def stream_us(call: Callable[[T], object], weights: list[T], device: torch.device) -> float:
+    """Microseconds per call when consecutive calls read different weights, as a step's layers do: one CUDA graph
+    calls `call(w)` for each of `weights`, replayed back to back, no flush (a flush leaves L2 full of dirty lines
+    that the next kernel's reads must first write back, which no layer pays) and no host time between calls.
+    Elsewhere: time_ms."""
+    if device.type != "cuda":
+        return time_ms(lambda: call(weights[0]), device, warmup_ms=1, rep_ms=20) * 1e3
+    for w in weights[:2]:
+        call(w)  # compile, allocate split-K counters
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for w in weights:
+            call(w)
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(_STREAM_REPS):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(weights))
     return sorted(times)[len(times) // 2]
 
 

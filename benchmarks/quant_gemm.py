@@ -8,7 +8,8 @@ shape and M, microseconds per call of the dense matmul (cuBLAS), the W4A16 GEMM'
 regular groups: what GPTQ and repacked AWQ checkpoints run), its tl.dot kernel, GPTQ act-order, dequantize + matmul
 (the many-rows path) and the general dequantize kernel + matmul; dense / W4A16 (the targets:
 >= 3x at M <= 16, >= 1x at M = 128), the packed-weight bandwidth and TFLOP/s; and the one-time AWQ repack per
-shape. `--sweep` times every candidate launch of `sweep_candidates` (stage 1 with the automatic split-K, stage 2
+shape. Each call is timed as a model step runs it: CUDA graph replays over copies of the weights that together
+exceed L2 (bench_utils.stream_us), so no host time and no L2 flush enters the figures. `--sweep` times every candidate launch of `sweep_candidates` (stage 1 with the automatic split-K, stage 2
 the three best with each split of `sweep_splits`), checks each result against the default launch's, and prints the
 best per (M, shape) plus `HOPPER_TABLE` rows to paste into tritonllm/kernels/quant_gemm_config.py.
 """
@@ -24,7 +25,16 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_utils import bench_device, environment, log, markdown_table, sync, time_ms, write_results  # noqa: E402
+from bench_utils import (  # noqa: E402
+    bench_device,
+    environment,
+    log,
+    markdown_table,
+    stream_copies,
+    stream_us,
+    sync,
+    write_results,
+)
 
 from tritonllm.kernels.quant_dequant import gptq_dequantize  # noqa: E402
 from tritonllm.kernels.quant_gemm import gptq_gemm  # noqa: E402
@@ -63,25 +73,21 @@ def _tensors(k: int, n: int, group_size: int, device: str):
 FUSED_LARGE = QuantGemmConfig(128, 128, 64, 1, 8, 3)
 
 
-def _calls(x, dense, packed, perm, g, cfg):
-    qw, qz, s = packed
+def _calls(x, perm, g, cfg):
+    """Per column, the call on one weight copy: a dense W^T for "dense", else the packed (qweight, qzeros, scales)."""
     dot = FUSED_LARGE if cfg.dequant else cfg
     return {
-        "dense": lambda: x @ dense,
-        "w4a16": lambda: gptq_gemm(x, qw, qz, s, 4, g, 0),
-        "dot": lambda: gptq_gemm(x, qw, qz, s, 4, g, 0, config=dot),
-        "act_order": lambda: gptq_gemm(x, qw, qz, s, 4, g, 0, perm),
-        "deq_mm": lambda: gptq_gemm(x, qw, qz, s, 4, g, 0, config=DEQUANT_CONFIG),
-        "deq_mm_general": lambda: x @ gptq_dequantize(qw, qz, s, None, 4, g, 0, dtype=x.dtype),
+        "dense": lambda w: x @ w,
+        "w4a16": lambda t: gptq_gemm(x, *t, 4, g, 0),
+        "dot": lambda t: gptq_gemm(x, *t, 4, g, 0, config=dot),
+        "act_order": lambda t: gptq_gemm(x, *t, 4, g, 0, perm),
+        "deq_mm": lambda t: gptq_gemm(x, *t, 4, g, 0, config=DEQUANT_CONFIG),
+        "deq_mm_general": lambda t: x @ gptq_dequantize(*t, None, 4, g, 0, dtype=x.dtype),
     }
 
 
 def run_default(shapes, batches, dtype: torch.dtype, g: int, sms: int, device: torch.device) -> dict:
     rows, results = [], []
-
-    def _ms(fn) -> float:
-        return time_ms(fn, device)
-
     for name, (k, n) in shapes.items():
         (qw, qz, s), (aq, az) = _tensors(k, n, g, device)
         sync(device)
@@ -91,13 +97,17 @@ def run_default(shapes, batches, dtype: torch.dtype, g: int, sms: int, device: t
         repack_ms = (time.perf_counter() - start) * 1e3
         assert torch.equal(repacked[0], qw) and torch.equal(repacked[1], qz)
         del aq, az, repacked
-        dense = torch.randn(k, n, device=device, dtype=dtype)
+        dense = stream_copies(torch.randn(k, n, device=device, dtype=dtype))
+        packed = stream_copies((qw, qz, s))
         perm = torch.randperm(k, device=device).to(torch.int32)
         packed_bytes = qw.numel() * 4 + qz.numel() * 4 + s.numel() * 2
         for m in batches:
             x = torch.randn(m, k, device=device, dtype=dtype)
             cfg = quant_gemm_config(m, n, k, 4, sms)
-            us = {key: _ms(fn) * 1e3 for key, fn in _calls(x, dense, (qw, qz, s), perm, g, cfg).items()}
+            us = {
+                key: stream_us(fn, dense if key == "dense" else packed, device)
+                for key, fn in _calls(x, perm, g, cfg).items()
+            }
             r = {
                 "shape": name,
                 "m": m,
@@ -111,8 +121,7 @@ def run_default(shapes, batches, dtype: torch.dtype, g: int, sms: int, device: t
             results.append(r)
             rows.append(
                 [name, m, us["dense"], us["w4a16"], us["dot"], us["act_order"], us["deq_mm"], us["deq_mm_general"],
-                 r["dense_over_w4a16"],
-                 r["w4a16_gbs"], r["w4a16_tflops"], _describe(cfg)]
+                 r["dense_over_w4a16"], r["w4a16_gbs"], r["w4a16_tflops"], _describe(cfg)]
             )  # fmt: skip
             ratio = r["dense_over_w4a16"]
             log(f"{name:>8} M={m:<5} dense {us['dense']:8.1f} us  w4a16 {us['w4a16']:8.1f} us  x{ratio:.2f}")
@@ -145,14 +154,15 @@ def _with_split(cfg: QuantGemmConfig, m: int, n: int, k: int, sms: int, split: i
     return dataclasses.replace(cfg, split_k=split)
 
 
-def _time_config(x, qw, qz, s, g, cfg, expected) -> float | None:
-    """Milliseconds per call, or None when the launch fails or disagrees with the default launch's result."""
+def _time_config(x, packed, g, cfg, expected) -> float | None:
+    """Milliseconds per call over the weight copies `packed`, or None when the launch fails or disagrees with the
+    default launch's result."""
     try:
-        y = gptq_gemm(x, qw, qz, s, 4, g, 0, config=cfg)
+        y = gptq_gemm(x, *packed[0], 4, g, 0, config=cfg)
         if not torch.allclose(y.float(), expected, atol=3e-2, rtol=3e-2):
             log(f"  {_describe(cfg)}: WRONG RESULT (max err {(y.float() - expected).abs().max().item():.3g})")
             return None
-        return time_ms(lambda: gptq_gemm(x, qw, qz, s, 4, g, 0, config=cfg), x.device, warmup_ms=5, rep_ms=20)
+        return stream_us(lambda t: gptq_gemm(x, *t, 4, g, 0, config=cfg), packed, x.device) / 1e3
     except Exception as e:  # a config that does not compile or launch (shared memory, registers) is skipped
         log(f"  {_describe(cfg)}: {type(e).__name__}: {str(e)[:100]}")
         return None
@@ -163,17 +173,17 @@ def run_sweep(shapes, ms, dtype: torch.dtype, g: int, sms: int, device: torch.de
     for m in ms:
         bucket = next(b for b in M_BUCKETS if b[0] <= m <= b[1])
         for name, (k, n) in shapes.items():
-            (qw, qz, s), _ = _tensors(k, n, g, device)
+            packed = stream_copies(_tensors(k, n, g, device)[0])
             x = torch.randn(m, k, device=device, dtype=dtype)
-            expected = gptq_gemm(x, qw, qz, s, 4, g, 0).float()
-            dense = torch.randn(k, n, device=device, dtype=dtype)
-            dense_ms = time_ms(lambda x=x, dense=dense: x @ dense, device, warmup_ms=5, rep_ms=20)
+            expected = gptq_gemm(x, *packed[0], 4, g, 0).float()
+            dense = stream_copies(torch.randn(k, n, device=device, dtype=dtype))
+            dense_ms = stream_us(lambda w, x=x: x @ w, dense, device) / 1e3
             default = quant_gemm_config(m, n, k, 4, sms)
-            default_ms = _time_config(x, qw, qz, s, g, default, expected)
+            default_ms = _time_config(x, packed, g, default, expected)
             stage1 = []
             for cand in sweep_candidates(m)[: limit or None]:
                 cfg = _with_split(cand, m, n, k, sms)
-                t = _time_config(x, qw, qz, s, g, cfg, expected)
+                t = _time_config(x, packed, g, cfg, expected)
                 if t is not None:
                     stage1.append((t, cfg))
             stage1.sort(key=lambda r: r[0])
@@ -183,7 +193,7 @@ def run_sweep(shapes, ms, dtype: torch.dtype, g: int, sms: int, device: torch.de
                 for split in sweep_splits(m, m_tiles, _cdiv(n, cfg.block_n), k, cfg.block_k, sms):
                     if split != cfg.split_k:
                         cand = _with_split(cfg, m, n, k, sms, split)
-                        t = _time_config(x, qw, qz, s, g, cand, expected)
+                        t = _time_config(x, packed, g, cand, expected)
                         if t is not None:
                             timed.append((t, cand))
             timed.sort(key=lambda r: r[0])
