@@ -51,6 +51,12 @@ SWEEP_SPLITS = (1, 2, 3, 4, 6, 8)  # split-KV counts tried at batch >= 32, where
 # Mixed steps (decodes next to one prefill chunk, as continuous batching schedules them): (decodes, their context,
 # chunk length), planned as a mixed-step CUDA graph plans them, for the token count rounded up to 256.
 MIXED_STEPS = ((255, 512, 256), (255, 1024, 1024), (128, 2048, 2048), (32, 4096, 512))
+# Small-batch decode as a decode graph captured at max_model_len plans it (--graph-splits): the split count is
+# chosen for GRAPH_MAX_SEQ_LEN whatever the context, so short contexts leave most splits empty.
+GRAPH_MAX_SEQ_LEN = 4096
+GRAPH_BATCHES = (1, 4)
+GRAPH_CONTEXTS = (256, 512, 1024, 4096)
+GRAPH_SPLITS = (1, 4, 8, 16, 32)
 MAX_DIFF = 0.05  # bf16 outputs of unit-variance attention: a larger gap to SDPA means a wrong result
 
 
@@ -354,6 +360,36 @@ def run_split_sweep(s, dtype, device, copy_gbs) -> list[dict]:
     return rows
 
 
+def run_graph_splits(s, dtype, device, copy_gbs) -> list[dict]:
+    """Batch 1-4 decode planned for GRAPH_MAX_SEQ_LEN at shorter contexts: each forced split count, merged by the
+    last split program ("in launch") or by a merge launch, against the count the heuristics choose ("default")."""
+    rows = []
+    for batch, context in itertools.product(GRAPH_BATCHES, GRAPH_CONTEXTS):
+        case = decode_case(batch, context, s, dtype, device)
+        plan = dict(
+            num_seqs=batch, num_heads=s.heads, num_kv_heads=s.kv_heads, head_size=s.head_dim, dtype=dtype,
+            max_query_len=1, max_seq_len=GRAPH_MAX_SEQ_LEN, target=_target(device),
+        )  # fmt: skip
+        default = paged_attention_config(**plan)
+        for n in GRAPH_SPLITS:
+            cfg = paged_attention_config(**plan, num_splits=n)
+            for in_launch in (True, False) if cfg.num_splits > 1 else (True,):
+                cfg = dataclasses.replace(cfg, merge_in_launch=in_launch)
+                err = case.check(cfg)
+                t = time_graph_ms(case.ours(cfg), device)
+                label = f"{n} " + ("in launch" if in_launch else "merge launch") if n > 1 else "1"
+                rows.append(
+                    dict(
+                        batch=batch, context=context, config=label, is_default=cfg == default, us=t * 1e3,
+                        pct_copy=100 * case.work / (t * 1e-3) / 1e9 / copy_gbs, max_abs_diff=err,
+                    )
+                )  # fmt: skip
+        mine = [r for r in rows if (r["batch"], r["context"]) == (batch, context)]
+        log(f"graph splits B={batch} S={context}: " + " | ".join(f"{r['config']}: {r['us']:.1f} us" for r in mine))
+        del case
+    return rows
+
+
 def _rank_tiles(rows: list[dict], key: str) -> list[dict]:
     """Tiles timed on every shape, by the geometric mean over shapes of (time / that shape's best time)."""
     best: dict[str, float] = {}
@@ -554,6 +590,18 @@ def render(results: dict) -> str:
             "",
             markdown_table(["batch", "context", *[f"{n} splits" for n in SWEEP_SPLITS]], list(rows.values())),
         ]
+    if results.get("graph_splits"):
+        labels = list(dict.fromkeys(r["config"] for r in results["graph_splits"]))
+        rows = {}
+        for r in results["graph_splits"]:
+            row = rows.setdefault((r["batch"], r["context"]), [r["batch"], r["context"]] + [""] * len(labels))
+            row[2 + labels.index(r["config"])] = f"{r['us']:.1f}" + (" (default)" if r["is_default"] else "")
+        parts += [
+            "",
+            f"## Small-batch decode planned for max_seq_len {GRAPH_MAX_SEQ_LEN} (us per launch by KV splits)",
+            "",
+            markdown_table(["batch", "context", *labels], list(rows.values())),
+        ]
     if "sweep" in results:
         sweep = results["sweep"]
         parts += ["", "## Sweep: best launch config per shape (the default is what paged_attention picks)", ""]
@@ -583,6 +631,7 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="directory for attention.json and attention.md")
     parser.add_argument("--sweep", action="store_true", help="also sweep launch configs (a few more minutes)")
     parser.add_argument("--split-sweep", action="store_true", help="also time KV splits 1..8 at batch >= 32")
+    parser.add_argument("--graph-splits", action="store_true", help="also time batch 1-4 decode planned for 4k")
     parser.add_argument("--only-mixed", action="store_true", help="skip the decode and prefill tables")
     parser.add_argument("--batches", default=None, help="comma-separated decode batch sizes (default: all)")
     parser.add_argument("--tiny", action="store_true", help="toy shapes: a smoke test that runs anywhere")
@@ -611,6 +660,8 @@ def main() -> None:
         results["sweep"] = run_sweep(shapes, dtype, device, copy_gbs)
     if args.split_sweep:
         results["split_sweep"] = run_split_sweep(shapes, dtype, device, copy_gbs)
+    if args.graph_splits:
+        results["graph_splits"] = run_graph_splits(shapes, dtype, device, copy_gbs)
     write_results(args.out, "attention", results, render(results))
 
 

@@ -9,9 +9,10 @@ regular groups: what GPTQ and repacked AWQ checkpoints run), its tl.dot kernel, 
 (the many-rows path) and the general dequantize kernel + matmul; dense / W4A16 (the targets:
 >= 3x at M <= 16, >= 1x at M = 128), the packed-weight bandwidth and TFLOP/s; and the one-time AWQ repack per
 shape. Each call is timed as a model step runs it: CUDA graph replays over copies of the weights that together
-exceed L2 (bench_utils.stream_us), so no host time and no L2 flush enters the figures. `--sweep` times every candidate launch of `sweep_candidates` (stage 1 with the automatic split-K, stage 2
-the three best with each split of `sweep_splits`), checks each result against the default launch's, and prints the
-best per (M, shape) plus `HOPPER_TABLE` rows to paste into tritonllm/kernels/quant_gemm_config.py.
+exceed L2 (bench_utils.stream_us), so no host time and no L2 flush enters the figures. `--sweep` times every
+candidate launch of `sweep_candidates` (stage 1 with the automatic split-K, stage 2 the three best with each split
+of `sweep_splits`), checks each result against the default launch's, and prints the best per (M, shape) plus
+`HOPPER_TABLE` rows to paste into tritonllm/kernels/quant_gemm_config.py.
 """
 
 from __future__ import annotations

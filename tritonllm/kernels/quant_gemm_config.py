@@ -90,18 +90,26 @@ HOPPER_TABLE: tuple[LaunchRule, ...] = (
     LaunchRule(
         m=(5, 16), n=(4096, 4096), k=(14336, 14336), config=QuantGemmConfig(16, 64, 64, 16, 4, 3, gemv=False)
     ),  # M=16 down: 77.4 us, dense / this 0.54
+    # 65-255 rows (CUDA-graph timings, see docs/benchmarks.md): dequantize + matmul beats every tl.dot launch on
+    # the two small projections, and on the two large ones once a second 128-row tile is needed.
     LaunchRule(
-        m=(65, 255), n=(6144, 6144), k=(4096, 4096), config=QuantGemmConfig(128, 64, 64, 4, 8, 3, gemv=False)
-    ),  # M=128 qkv: 41.9 us, dense / this 0.63
+        m=(65, 255), n=(6144, 6144), k=(4096, 4096), config=DEQUANT_CONFIG
+    ),  # qkv: M=128 35.3 us (tl.dot 38.4), M=192 38.7 us (tl.dot 66.0)
     LaunchRule(
-        m=(65, 255), n=(4096, 4096), k=(4096, 4096), config=QuantGemmConfig(128, 64, 64, 4, 8, 3, gemv=False)
-    ),  # M=128 o: 29.2 us, dense / this 0.64
+        m=(65, 255), n=(4096, 4096), k=(4096, 4096), config=DEQUANT_CONFIG
+    ),  # o: M=128 25.9 us (tl.dot 26.9), M=192 33.1 us (tl.dot 46.3)
     LaunchRule(
-        m=(65, 255), n=(28672, 28672), k=(4096, 4096), config=QuantGemmConfig(128, 128, 64, 1, 8, 3, gemv=False)
-    ),  # M=128 gate_up: 130.5 us, dense / this 0.87
+        m=(65, 128), n=(28672, 28672), k=(4096, 4096), config=QuantGemmConfig(128, 128, 64, 1, 8, 3, gemv=False)
+    ),  # M=128 gate_up: 129.4 us (dequantize + matmul 189.0), dense / this 0.83
     LaunchRule(
-        m=(65, 255), n=(4096, 4096), k=(14336, 14336), config=QuantGemmConfig(128, 64, 128, 2, 8, 3, gemv=False)
-    ),  # M=128 down: 72.6 us, dense / this 0.61
+        m=(129, 255), n=(28672, 28672), k=(4096, 4096), config=DEQUANT_CONFIG
+    ),  # gate_up: M=192 153.2 us (tl.dot 249.1)
+    LaunchRule(
+        m=(65, 128), n=(4096, 4096), k=(14336, 14336), config=QuantGemmConfig(128, 64, 128, 2, 8, 3, gemv=False)
+    ),  # M=128 down: 68.1 us (dequantize + matmul 78.7), dense / this 0.55
+    LaunchRule(
+        m=(129, 255), n=(4096, 4096), k=(14336, 14336), config=DEQUANT_CONFIG
+    ),  # down: M=192 87.7 us (tl.dot 134.1)
 )
 
 # Split-K: programs the grid should reach per SM, and K tiles each split walks at least. Up to 16 rows the launch
