@@ -1,5 +1,6 @@
 """AWQ and GPTQ linear methods inside a fused Linear: shards loaded through the weight loaders, processed, and run;
-the output equals x @ [dequant(shard 0); dequant(shard 1); ...]^T + bias per activation dtype."""
+the output equals x @ [dequant(shard 0); dequant(shard 1); ...]^T + bias per activation dtype, for a few rows (the
+fused kernels) and for DEQUANT_MIN_M rows and more (dequantize + matmul)."""
 
 import pytest
 import torch
@@ -7,12 +8,14 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from tests.helpers import DEVICE, assert_close, dtypes, randn, seeds
+from tritonllm.kernels.quant_gemm_config import DEQUANT_MIN_M
 from tritonllm.models.layers.linear import Linear
 from tritonllm.quant.awq import AwqConfig
 from tritonllm.quant.gptq import GptqConfig
 from tritonllm.quant.pack import dequantize_awq, dequantize_gptq, pack_awq, pack_gptq, regular_g_idx
 
 TOL_SCALE = 2.0  # the weight is rounded to the activation dtype before the dot (see test_quant_gemm)
+row_counts = st.sampled_from([5, DEQUANT_MIN_M + 1])
 
 
 def _linear(config, k, sizes, dtype, bias):
@@ -43,8 +46,9 @@ def _check(layer, weight_t, bias, dtype, seed, m=5):
     assert_close(y, expected, dtype, scale=TOL_SCALE)
 
 
-@given(seed=seeds(), dtype=dtypes, group_size=st.sampled_from([32, -1]), has_bias=st.booleans())
-def test_awq_fused_layer(seed, dtype, group_size, has_bias):
+@given(seed=seeds(), dtype=dtypes, group_size=st.sampled_from([32, -1]), has_bias=st.booleans(), rows=row_counts)
+@example(seed=0, dtype=torch.bfloat16, group_size=32, has_bias=True, rows=DEQUANT_MIN_M + 1)
+def test_awq_fused_layer(seed, dtype, group_size, has_bias, rows):
     k, sizes = 64, [40, 16, 24]
     g = torch.Generator().manual_seed(seed)
     weights = [torch.randn(n, k, generator=g) / k**0.5 for n in sizes]
@@ -54,7 +58,7 @@ def test_awq_fused_layer(seed, dtype, group_size, has_bias):
     _load(layer, [{"qweight": t.qweight, "qzeros": t.qzeros, "scales": t.scales} for t in packed], bias)
     assert layer.qweight.shape == (k // 8, sum(sizes))  # repacked at load into GPTQ's layout
     weight_t = torch.cat([dequantize_awq(t.qweight, t.qzeros, t.scales, group_size) for t in packed], dim=1)
-    _check(layer, weight_t, bias, dtype, seed + 2)
+    _check(layer, weight_t, bias, dtype, seed + 2, rows)
 
 
 @given(
@@ -65,16 +69,25 @@ def test_awq_fused_layer(seed, dtype, group_size, has_bias):
     order=st.sampled_from(["regular", "act_order", "act_order_per_shard", "missing"]),
     sym=st.booleans(),
     checkpoint_format=st.sampled_from(["gptq", "gptq_v2"]),
+    rows=row_counts,
 )
-# The cases that pick each path, whatever the draw: act-order permuted into the fused kernel, per-shard orders and
-# 3-bit through dequantization.
-@example(seed=1, dtype=torch.float16, bits=4, group_size=32, order="act_order", sym=False, checkpoint_format="gptq")
-@example(seed=2, dtype=torch.bfloat16, bits=8, group_size=32, order="act_order", sym=True, checkpoint_format="gptq_v2")
+# The cases that pick each path, whatever the draw: act-order permuted into the fused kernels and folded into the
+# dense weight's rows, per-shard orders and 3-bit through dequantization.
 @example(
-    seed=3, dtype=torch.float32, bits=2, group_size=32, order="act_order_per_shard", sym=False, checkpoint_format="gptq"
+    seed=1, dtype=torch.float16, bits=4, group_size=32, order="act_order", sym=False, checkpoint_format="gptq", rows=5
 )
-@example(seed=4, dtype=torch.float16, bits=3, group_size=32, order="act_order", sym=True, checkpoint_format="gptq")
-def test_gptq_fused_layer(seed, dtype, bits, group_size, order, sym, checkpoint_format):
+@example(
+    seed=2, dtype=torch.bfloat16, bits=8, group_size=32, order="act_order", sym=True, checkpoint_format="gptq_v2",
+    rows=DEQUANT_MIN_M + 1,
+)  # fmt: skip
+@example(
+    seed=3, dtype=torch.float32, bits=2, group_size=32, order="act_order_per_shard", sym=False,
+    checkpoint_format="gptq", rows=5,
+)  # fmt: skip
+@example(
+    seed=4, dtype=torch.float16, bits=3, group_size=32, order="act_order", sym=True, checkpoint_format="gptq", rows=5
+)
+def test_gptq_fused_layer(seed, dtype, bits, group_size, order, sym, checkpoint_format, rows):
     k, sizes = 64, [32, 64]
     g = torch.Generator().manual_seed(seed)
     gs = k if group_size == -1 else group_size
@@ -107,7 +120,7 @@ def test_gptq_fused_layer(seed, dtype, bits, group_size, order, sym, checkpoint_
     weight_t = torch.cat(
         [dequantize_gptq(t.qweight, t.qzeros, t.scales, t.g_idx, bits, checkpoint_format) for t in packed], dim=1
     )
-    _check(layer, weight_t, None, dtype, seed + 1)
+    _check(layer, weight_t, None, dtype, seed + 1, rows)
 
 
 def test_gptq_irregular_g_idx_runs_through_dequantization():
