@@ -62,9 +62,9 @@ DEQUANT_CONFIG = QuantGemmConfig(1, 256, 64, 1, 4, 1, dequant=True)
 # Hopper (H200, 132 SMs) rows for fp16/bf16 at group size 128, Llama-3.1-8B's projections (qkv, o, gate_up, down);
 # other shapes and M buckets fall back to the generic heuristics below (from 256 rows: dequantize + matmul, which on
 # the H200 beat the best tl.dot launch at M = 256 on gate_up, 180 vs 257 us, and down, 102 vs 135 us, and ran
-# within 0.84-0.95x of the dense matmul at M = 2048). Measured with
-# `python benchmarks/quant_gemm.py --sweep --sweep-ms 1,16,128` on an H200 (triton 3.6, fp16); each comment gives
-# the time and the speed-up over the cuBLAS fp16 matmul.
+# within 0.84-0.95x of the dense matmul at M = 2048). Measured with `python benchmarks/quant_gemm.py --sweep` on
+# an H200 (triton 3.6, fp16); each comment gives the time and the speed-up over the cuBLAS fp16 matmul. The M = 1
+# rows were timed with do_bench and L2 flushed between calls, the others as CUDA graph replays (docs/benchmarks.md).
 HOPPER_TABLE: tuple[LaunchRule, ...] = (
     LaunchRule(
         m=(1, 1), n=(6144, 6144), k=(4096, 4096), config=QuantGemmConfig(1, 64, 128, 6, 4, 1, gemv=True)
@@ -78,18 +78,43 @@ HOPPER_TABLE: tuple[LaunchRule, ...] = (
     LaunchRule(
         m=(1, 1), n=(4096, 4096), k=(14336, 14336), config=QuantGemmConfig(1, 64, 128, 8, 4, 1, gemv=True)
     ),  # M=1 down: 23.9 us, dense / this 1.82
+    # 5-64 rows: `quant_gemm.py --sweep --sweep-ms 16,32,64` timed as CUDA graph replays (fp16, group 128).
     LaunchRule(
         m=(5, 16), n=(6144, 6144), k=(4096, 4096), config=QuantGemmConfig(16, 64, 128, 4, 4, 3, gemv=False)
-    ),  # M=16 qkv: 23.2 us, dense / this 0.97
+    ),  # M=16 qkv: 16.4 us, dense / this 0.97
     LaunchRule(
-        m=(5, 16), n=(4096, 4096), k=(4096, 4096), config=QuantGemmConfig(16, 128, 64, 17, 4, 3, gemv=False)
-    ),  # M=16 o: 19.9 us, dense / this 0.94
+        m=(5, 16), n=(4096, 4096), k=(4096, 4096), config=QuantGemmConfig(16, 64, 64, 8, 4, 3, gemv=False)
+    ),  # M=16 o: 12.7 us, dense / this 1.04
     LaunchRule(
-        m=(5, 16), n=(28672, 28672), k=(4096, 4096), config=QuantGemmConfig(16, 64, 64, 4, 4, 3, gemv=False)
-    ),  # M=16 gate_up: 61.6 us, dense / this 1.10
+        m=(5, 16), n=(28672, 28672), k=(4096, 4096), config=QuantGemmConfig(16, 128, 64, 4, 4, 3, gemv=False)
+    ),  # M=16 gate_up: 55.8 us, dense / this 1.16
     LaunchRule(
-        m=(5, 16), n=(4096, 4096), k=(14336, 14336), config=QuantGemmConfig(16, 64, 64, 16, 4, 3, gemv=False)
-    ),  # M=16 down: 77.4 us, dense / this 0.54
+        m=(5, 16), n=(4096, 4096), k=(14336, 14336), config=QuantGemmConfig(16, 128, 64, 17, 4, 3, gemv=False)
+    ),  # M=16 down: 31.6 us, dense / this 1.03
+    LaunchRule(
+        m=(17, 32), n=(6144, 6144), k=(4096, 4096), config=QuantGemmConfig(32, 64, 64, 4, 4, 3, gemv=False)
+    ),  # M=32 qkv: 21.8 us (generic 30.6), dense / this 0.76
+    LaunchRule(
+        m=(17, 32), n=(4096, 4096), k=(4096, 4096), config=QuantGemmConfig(32, 64, 128, 4, 4, 3, gemv=False)
+    ),  # M=32 o: 16.6 us (generic 21.2), dense / this 0.79
+    LaunchRule(
+        m=(17, 32), n=(28672, 28672), k=(4096, 4096), config=QuantGemmConfig(32, 256, 64, 2, 4, 3, gemv=False)
+    ),  # M=32 gate_up: 63.4 us (generic 77.5), dense / this 0.97
+    LaunchRule(
+        m=(17, 32), n=(4096, 4096), k=(14336, 14336), config=QuantGemmConfig(32, 256, 64, 16, 4, 3, gemv=False)
+    ),  # M=32 down: 38.9 us (generic 60.3), dense / this 0.85
+    LaunchRule(
+        m=(33, 64), n=(6144, 6144), k=(4096, 4096), config=QuantGemmConfig(64, 128, 64, 4, 8, 3, gemv=False)
+    ),  # M=64 qkv: 27.2 us (generic 33.7), dense / this 0.59
+    LaunchRule(
+        m=(33, 64), n=(4096, 4096), k=(4096, 4096), config=QuantGemmConfig(64, 64, 128, 2, 8, 3, gemv=False)
+    ),  # M=64 o: 18.1 us (generic 24.5), dense / this 0.66
+    LaunchRule(
+        m=(33, 64), n=(28672, 28672), k=(4096, 4096), config=QuantGemmConfig(64, 128, 64, 1, 8, 3, gemv=False)
+    ),  # M=64 gate_up: 80.0 us (the generic launch), dense / this 0.82
+    LaunchRule(
+        m=(33, 64), n=(4096, 4096), k=(14336, 14336), config=QuantGemmConfig(64, 128, 64, 8, 8, 3, gemv=False)
+    ),  # M=64 down: 46.9 us (generic 64.5), dense / this 0.75
     # 65-255 rows (CUDA-graph timings, see docs/benchmarks.md): dequantize + matmul beats every tl.dot launch on
     # the two small projections, and on the two large ones once a second 128-row tile is needed.
     LaunchRule(
