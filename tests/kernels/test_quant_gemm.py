@@ -223,6 +223,18 @@ def test_every_candidate_and_table_row_is_a_valid_launch():
             check_config(rule.config, bits)
 
 
+def test_table_rows_do_not_overlap():
+    # The first matching row wins: two rows claiming one shape would leave the second one dead.
+    for i, a in enumerate(HOPPER_TABLE):
+        for b in HOPPER_TABLE[i + 1 :]:
+            shared = [max(x[0], y[0]) <= min(x[1], y[1]) for x, y in ((a.m, b.m), (a.n, b.n), (a.k, b.k))]
+            assert not all(shared), (a, b)
+    # Every row covers whole M buckets, so the sweep's buckets describe the table.
+    lows, highs = {low for low, _ in M_BUCKETS}, {high for _, high in M_BUCKETS}
+    for rule in HOPPER_TABLE:
+        assert rule.m[0] in lows and rule.m[1] in highs, rule
+
+
 def _fields(cfg):
     return {f: getattr(cfg, f) for f in cfg.__dataclass_fields__}
 

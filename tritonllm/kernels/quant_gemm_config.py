@@ -47,8 +47,11 @@ class LaunchRule:
         return self.m[0] <= m <= self.m[1] and self.n[0] <= n <= self.n[1] and self.k[0] <= k <= self.k[1]
 
 
-# M buckets the table and the sweep use: decode (1), small batches, then GEMM sizes. Inclusive upper bounds.
-M_BUCKETS: tuple[tuple[int, int], ...] = ((1, 1), (2, 4), (5, 16), (17, 64), (65, 255), (256, 2**31 - 1))
+# M buckets the table and the sweep use: decode (1), small batches, one 128-row MMA tile (up to 128) or two, then
+# dequantize + matmul. Inclusive upper bounds.
+M_BUCKETS: tuple[tuple[int, int], ...] = (
+    (1, 1), (2, 4), (5, 16), (17, 32), (33, 64), (65, 128), (129, 255), (256, 2**31 - 1),
+)  # fmt: skip
 # The fallback's GEMV limit: per weight the GEMV kernel issues about 5 instructions per row (sm_90 SASS), the
 # 16-row tl.dot kernel about 8 for all its rows, so from two rows on the dot kernel does less work.
 GEMV_MAX_M = 1
