@@ -204,8 +204,11 @@ def test_launch_heuristics():
         small = generic_config(16, n, k, sms=h200)
         assert not small.gemv and small.block_m == 16
         assert -(-n // small.block_n) * small.split_k >= h200
-        large = generic_config(DEQUANT_MIN_M - 1, n, k, sms=h200)
-        assert large.split_k == 1 and large.block_m >= 64 and not large.gemv and not large.dequant
+        # Up to the crossover, wgmma-sized tl.dot tiles whose grid (with split-K) still fills the GPU.
+        m = DEQUANT_MIN_M - 1
+        large = generic_config(m, n, k, sms=h200)
+        assert large.block_m >= 64 and not large.gemv and not large.dequant
+        assert -(-m // large.block_m) * -(-n // large.block_n) * large.split_k >= h200
         # From the crossover on, one dense matmul after dequantizing (the fused kernels' MMA rate is far below).
         for m in (DEQUANT_MIN_M, 2048):
             many = generic_config(m, n, k, sms=h200)

@@ -47,23 +47,22 @@ class LaunchRule:
         return self.m[0] <= m <= self.m[1] and self.n[0] <= n <= self.n[1] and self.k[0] <= k <= self.k[1]
 
 
-# M buckets the table and the sweep use: decode (1), small batches, one 128-row MMA tile (up to 128) or two, then
-# dequantize + matmul. Inclusive upper bounds.
-M_BUCKETS: tuple[tuple[int, int], ...] = (
-    (1, 1), (2, 4), (5, 16), (17, 32), (33, 64), (65, 128), (129, 255), (256, 2**31 - 1),
-)  # fmt: skip
+# M buckets the table and the sweep use: decode (1), small batches, up to one 128-row MMA tile, then dequantize +
+# matmul. Inclusive upper bounds.
+M_BUCKETS: tuple[tuple[int, int], ...] = ((1, 1), (2, 4), (5, 16), (17, 32), (33, 64), (65, 128), (129, 2**31 - 1))
 # The fallback's GEMV limit: per weight the GEMV kernel issues about 5 instructions per row (sm_90 SASS), the
 # 16-row tl.dot kernel about 8 for all its rows, so from two rows on the dot kernel does less work.
 GEMV_MAX_M = 1
-# The fallback's crossover to dequantize + matmul: the fused tl.dot kernel runs at 35-45% of the dense matmul's rate
-# from a few hundred rows on, while dequantizing costs one write of W^T whatever M is (vLLM's AWQ layer also
-# switches at 256 tokens).
-DEQUANT_MIN_M = 256
+# The fallback's crossover to dequantize + matmul: past one 128-row MMA tile the fused tl.dot kernel runs at 25-45%
+# of the dense matmul's rate, while dequantizing costs one write of W^T whatever M is. On the H200 dequantize +
+# matmul won on all four Llama-3.1-8B projections from 160 rows on (1.5-2.8x at M = 192); vLLM's AWQ layer switches
+# at 256 tokens.
+DEQUANT_MIN_M = 129
 # The dequantization tile: 64 K rows (within one group of 64 or more: one row of scales) by 256 columns.
 DEQUANT_CONFIG = QuantGemmConfig(1, 256, 64, 1, 4, 1, dequant=True)
 
 # Hopper (H200, 132 SMs) rows for fp16/bf16 at group size 128, Llama-3.1-8B's projections (qkv, o, gate_up, down);
-# other shapes and M buckets fall back to the generic heuristics below (from 256 rows: dequantize + matmul, which on
+# other shapes and M buckets fall back to the generic heuristics below (from 129 rows: dequantize + matmul, which on
 # the H200 beat the best tl.dot launch at M = 256 on gate_up, 180 vs 257 us, and down, 102 vs 135 us, and ran
 # within 0.84-0.95x of the dense matmul at M = 2048). Measured with `python benchmarks/quant_gemm.py --sweep` on
 # an H200 (triton 3.6, fp16); each comment gives the time and the speed-up over the cuBLAS fp16 matmul. The M = 1
@@ -118,26 +117,20 @@ HOPPER_TABLE: tuple[LaunchRule, ...] = (
     LaunchRule(
         m=(33, 64), n=(4096, 4096), k=(14336, 14336), config=QuantGemmConfig(64, 128, 64, 8, 8, 3, gemv=False)
     ),  # M=64 down: 46.9 us (generic 64.5), dense / this 0.75
-    # 65-255 rows (CUDA-graph timings, see docs/benchmarks.md): dequantize + matmul beats every tl.dot launch on
-    # the two small projections, and on the two large ones once a second 128-row tile is needed.
+    # 65-128 rows (CUDA-graph timings, see docs/benchmarks.md): dequantize + matmul already beats every tl.dot
+    # launch on the two small projections.
     LaunchRule(
-        m=(65, 255), n=(6144, 6144), k=(4096, 4096), config=DEQUANT_CONFIG
-    ),  # qkv: M=128 35.3 us (tl.dot 38.4), M=192 38.7 us (tl.dot 66.0)
+        m=(65, 128), n=(6144, 6144), k=(4096, 4096), config=DEQUANT_CONFIG
+    ),  # M=128 qkv: 35.3 us (tl.dot 38.4), dense / this 0.50
     LaunchRule(
-        m=(65, 255), n=(4096, 4096), k=(4096, 4096), config=DEQUANT_CONFIG
-    ),  # o: M=128 25.9 us (tl.dot 26.9), M=192 33.1 us (tl.dot 46.3)
+        m=(65, 128), n=(4096, 4096), k=(4096, 4096), config=DEQUANT_CONFIG
+    ),  # M=128 o: 25.9 us (tl.dot 26.9), dense / this 0.56
     LaunchRule(
         m=(65, 128), n=(28672, 28672), k=(4096, 4096), config=QuantGemmConfig(128, 128, 64, 1, 8, 3, gemv=False)
     ),  # M=128 gate_up: 129.4 us (dequantize + matmul 189.0), dense / this 0.83
     LaunchRule(
-        m=(129, 255), n=(28672, 28672), k=(4096, 4096), config=DEQUANT_CONFIG
-    ),  # gate_up: M=192 153.2 us (tl.dot 249.1)
-    LaunchRule(
         m=(65, 128), n=(4096, 4096), k=(14336, 14336), config=QuantGemmConfig(128, 64, 128, 2, 8, 3, gemv=False)
     ),  # M=128 down: 68.1 us (dequantize + matmul 78.7), dense / this 0.55
-    LaunchRule(
-        m=(129, 255), n=(4096, 4096), k=(14336, 14336), config=DEQUANT_CONFIG
-    ),  # down: M=192 87.7 us (tl.dot 134.1)
 )
 
 # Split-K: programs the grid should reach per SM, and K tiles each split walks at least. Up to 16 rows the launch
