@@ -159,8 +159,8 @@ def auto_split_k(m: int, m_tiles: int, n_tiles: int, k: int, block_k: int, sms: 
 
 
 def generic_config(m: int, n: int, k: int, sms: int) -> QuantGemmConfig:
-    """The fallback: GEMV for a few rows, a 16-row MMA tile up to 16, wgmma-sized tiles beyond, dequantize +
-    matmul from `DEQUANT_MIN_M` rows."""
+    """The fallback: GEMV for a few rows, a 16-row MMA tile up to 16, 32- and 64-row tiles (split K to fill the
+    GPU) up to one 128-row stretch, dequantize + matmul from `DEQUANT_MIN_M` rows."""
     if m >= DEQUANT_MIN_M:
         return DEQUANT_CONFIG
     if m <= GEMV_MAX_M:
@@ -169,10 +169,10 @@ def generic_config(m: int, n: int, k: int, sms: int) -> QuantGemmConfig:
         block_m, block_n, block_k, warps, stages, gemv = 16, 64, 128, 4, 3, False
     elif m <= 32:
         block_m, block_n, block_k, warps, stages, gemv = 32, 128, 64, 4, 3, False
-    else:  # 64-row tiles and larger take 8 warps (two warpgroups): 4 spill registers at BLOCK_N 128
-        block_m, block_n, block_k, warps, stages, gemv = (64 if m <= 128 else 128), 128, 64, 8, 3, False
+    else:  # up to DEQUANT_MIN_M - 1 rows; 64-row tiles take 8 warps (two warpgroups): 4 spill at BLOCK_N 128
+        block_m, block_n, block_k, warps, stages, gemv = 64, 128, 64, 8, 3, False
     m_tiles = m if gemv else triton.cdiv(m, block_m)
-    split = auto_split_k(m, m_tiles, triton.cdiv(n, block_n), k, block_k, sms) if m <= 128 else 1
+    split = auto_split_k(m, m_tiles, triton.cdiv(n, block_n), k, block_k, sms)
     return QuantGemmConfig(block_m, block_n, block_k, split, warps, stages, gemv)
 
 
