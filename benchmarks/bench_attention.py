@@ -3,6 +3,7 @@
     python benchmarks/bench_attention.py --out results/            # ~1-2 min on an H200
     python benchmarks/bench_attention.py --out results/ --sweep    # + launch-config sweep for the Hopper table
     python benchmarks/bench_attention.py --out /tmp/smoke --tiny   # toy shapes, any device (CPU: interpreter)
+    python benchmarks/bench_attention.py --out results/ --head-dim 64 --only-sweep   # another head size's entries
 
 Decode: one query token per sequence, batch 1..256 x context 512..8k, 32 query / 8 KV heads of 128, bf16, KV
 blocks of 16 scattered over the cache in random order. Ours reads the paged cache; SDPA reads the same K/V laid
@@ -633,12 +634,18 @@ def main() -> None:
     parser.add_argument("--split-sweep", action="store_true", help="also time KV splits 1..8 at batch >= 32")
     parser.add_argument("--graph-splits", action="store_true", help="also time batch 1-4 decode planned for 4k")
     parser.add_argument("--only-mixed", action="store_true", help="skip the decode and prefill tables")
+    parser.add_argument("--only-sweep", action="store_true", help="with --sweep: skip every other table")
+    parser.add_argument("--heads", type=int, default=HEADS, help="query heads")
+    parser.add_argument("--kv-heads", type=int, default=KV_HEADS, help="KV heads")
+    parser.add_argument("--head-dim", type=int, default=HEAD_DIM, help="head size (the table is keyed by it)")
     parser.add_argument("--batches", default=None, help="comma-separated decode batch sizes (default: all)")
     parser.add_argument("--tiny", action="store_true", help="toy shapes: a smoke test that runs anywhere")
     parser.add_argument("--device", default=None)
     args = parser.parse_args()
     device = bench_device(args.device)
-    shapes = TINY if args.tiny else Shapes()
+    shapes = TINY if args.tiny else Shapes(heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim)
+    if args.only_sweep and not args.sweep:
+        parser.error("--only-sweep needs --sweep")
     if args.batches:
         shapes = dataclasses.replace(shapes, batches=tuple(int(b) for b in args.batches.split(",")))
     dtype = torch.bfloat16
@@ -652,10 +659,10 @@ def main() -> None:
         shapes=f"{shapes.heads} query / {shapes.kv_heads} KV heads of {shapes.head_dim}, block {shapes.block}",
         copy_gbs=copy_gbs,
         copy_bytes=copy_bytes,
-        decode=[] if args.only_mixed else run_decode(shapes, dtype, device, copy_gbs),
-        prefill=[] if args.only_mixed else run_prefill(shapes, dtype, device),
+        decode=[] if args.only_mixed or args.only_sweep else run_decode(shapes, dtype, device, copy_gbs),
+        prefill=[] if args.only_mixed or args.only_sweep else run_prefill(shapes, dtype, device),
     )
-    results["mixed"] = run_mixed(shapes, dtype, device)
+    results["mixed"] = [] if args.only_sweep else run_mixed(shapes, dtype, device)
     if args.sweep:
         results["sweep"] = run_sweep(shapes, dtype, device, copy_gbs)
     if args.split_sweep:
