@@ -11,9 +11,10 @@ Three paths; quant_gemm_config.py picks one from M (with every launch heuristic)
   * `_quant_gemv_kernel` (quant_gemv.py, decode rows): CUDA-core FMAs, one activation row per program.
   * `_quant_gemm_kernel` (here): each K tile of weights is dequantized in registers to fp32 ((q - z) * s, exact
     up to one rounding, see quant_gemm_common.py), rounded once to x's dtype and fed to tl.dot with an fp32
-    accumulator. The tile's B rows are ordered value-major (row p * KW + r holds K row k0 + r * P + p: every
-    value p of a word row is produced in the same registers as the word, so B reaches shared memory in
-    vectorized stores), and x's tile is permuted to the same order in registers.
+    accumulator. Every value of a word is produced in the word's own registers, so putting the tile's B rows back
+    in K order permutes each thread's registers, and x's tile is used as loaded. (Rows ordered value-major, with
+    x's tile permuted to match, took up to 22% more instructions per packed word on sm_90 and ran 2-20% slower on
+    the H200 at 4-128 rows: docs/benchmarks.md.)
   * many rows (quant_dense.py): the weights dequantized to a dense W^T in x's dtype, then one cuBLAS matmul.
 The two kernels split K when the (M, N) tiles alone cannot fill the GPU, the splits reduced inside the same launch
 by the last program of each tile (quant_gemm_common.py): deterministic, no second kernel.
@@ -91,13 +92,12 @@ def _quant_gemm_kernel(
         offs_kw = k0 // PACK + tl.arange(0, KW)
         mask_kw = offs_kw < K // PACK
         words = load_word_tile(qweight_ptr, offs_kw, mask_kw, offs_n, mask_n, stride_qw_k, stride_qw_n)
-        # [PACK, KW, BLOCK_N] -> B rows value-major (row p * KW + r holds K row k0 + r * PACK + p); x's tile is
-        # loaded in K order and permuted to match.
+        # [PACK, KW, BLOCK_N] -> [KW, PACK, BLOCK_N] (a permutation of each thread's registers) -> B rows in K order.
         w = dequant_words(
             words, offs_kw, mask_kw, offs_n, mask_n, k0, K, qzeros_ptr, scales_ptr, stride_qz_g, stride_qz_n,
             stride_s_g, stride_s_n, BITS, GROUP_SIZE, ZERO_OFFSET, GROUPS,
         )  # fmt: skip
-        w = tl.reshape(w, (BLOCK_K, BLOCK_N))
+        w = tl.reshape(tl.permute(w, (1, 0, 2)), (BLOCK_K, BLOCK_N))
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < K
         cols = offs_k
@@ -108,7 +108,6 @@ def _quant_gemm_kernel(
             mask=mask_m[:, None] & mask_k[None, :],
             other=0.0,
         )
-        x = tl.reshape(tl.permute(tl.reshape(x, (BLOCK_M, KW, PACK)), (0, 2, 1)), (BLOCK_M, BLOCK_K))
         a = x
         b = w.to(x.dtype)
         if INTERPRET:

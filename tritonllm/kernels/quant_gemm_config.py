@@ -65,21 +65,23 @@ DEQUANT_CONFIG = QuantGemmConfig(1, 256, 64, 1, 4, 1, dequant=True)
 # other shapes and M buckets fall back to the generic heuristics below (from 129 rows: dequantize + matmul, which on
 # the H200 beat the best tl.dot launch at M = 256 on gate_up, 180 vs 257 us, and down, 102 vs 135 us, and ran
 # within 0.84-0.95x of the dense matmul at M = 2048). Measured with `python benchmarks/quant_gemm.py --sweep` on
-# an H200 (triton 3.6, fp16); each comment gives the time and the speed-up over the cuBLAS fp16 matmul. The M = 1
-# rows were timed with do_bench and L2 flushed between calls, the others as CUDA graph replays (docs/benchmarks.md).
+# an H200 (triton 3.6, fp16); each comment gives the time and the speed-up over the cuBLAS fp16 matmul, both timed
+# as CUDA graph replays over weight copies that exceed L2 (docs/benchmarks.md). The tl.dot rows (5-128) were swept
+# before its B tile went back to K order, which made every one of those launches 2-20% faster.
 HOPPER_TABLE: tuple[LaunchRule, ...] = (
+    # M = 1: `quant_gemm.py --sweep --sweep-ms 1`, timed as CUDA graph replays (fp16, group 128).
     LaunchRule(
-        m=(1, 1), n=(6144, 6144), k=(4096, 4096), config=QuantGemmConfig(1, 64, 128, 6, 4, 1, gemv=True)
-    ),  # M=1 qkv: 14.3 us, dense / this 1.63
+        m=(1, 1), n=(6144, 6144), k=(4096, 4096), config=QuantGemmConfig(1, 64, 128, 4, 4, 2, gemv=True)
+    ),  # M=1 qkv: 10.8 us (before 11.1), dense / this 1.53
     LaunchRule(
-        m=(1, 1), n=(4096, 4096), k=(4096, 4096), config=QuantGemmConfig(1, 256, 128, 16, 8, 1, gemv=True)
-    ),  # M=1 o: 20.7 us, dense / this 0.90
+        m=(1, 1), n=(4096, 4096), k=(4096, 4096), config=QuantGemmConfig(1, 64, 128, 9, 4, 2, gemv=True)
+    ),  # M=1 o: 8.7 us (before 9.7), dense / this 1.50
     LaunchRule(
-        m=(1, 1), n=(28672, 28672), k=(4096, 4096), config=QuantGemmConfig(1, 64, 128, 8, 4, 1, gemv=True)
-    ),  # M=1 gate_up: 39.2 us, dense / this 1.73
+        m=(1, 1), n=(28672, 28672), k=(4096, 4096), config=QuantGemmConfig(1, 256, 64, 8, 4, 1, gemv=True)
+    ),  # M=1 gate_up: 33.8 us (before 35.4), dense / this 1.75
     LaunchRule(
-        m=(1, 1), n=(4096, 4096), k=(14336, 14336), config=QuantGemmConfig(1, 64, 128, 8, 4, 1, gemv=True)
-    ),  # M=1 down: 23.9 us, dense / this 1.82
+        m=(1, 1), n=(4096, 4096), k=(14336, 14336), config=QuantGemmConfig(1, 128, 128, 17, 4, 1, gemv=True)
+    ),  # M=1 down: 20.0 us (before 21.3), dense / this 1.70
     # 5-64 rows: `quant_gemm.py --sweep --sweep-ms 16,32,64` timed as CUDA graph replays (fp16, group 128).
     LaunchRule(
         m=(5, 16), n=(6144, 6144), k=(4096, 4096), config=QuantGemmConfig(16, 64, 128, 4, 4, 3, gemv=False)
