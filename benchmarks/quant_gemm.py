@@ -70,8 +70,8 @@ def _tensors(k: int, n: int, group_size: int, device: str):
     return gptq, awq
 
 
-# The tl.dot kernel's launch where the default is dequantize + matmul: one 128-row tile, as the H200 table runs
-# gate_up at 65-128 rows.
+# The tl.dot kernel's launch where the default is dequantize + matmul: one 128-row tile, close to the H200 table's
+# launch for gate_up at 65-128 rows.
 FUSED_LARGE = QuantGemmConfig(128, 128, 64, 1, 8, 3)
 
 

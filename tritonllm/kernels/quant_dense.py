@@ -1,10 +1,10 @@
 """The many-rows path of the quantized GEMM: dequantize the packed weights to a dense W^T once per call, then one
 cuBLAS matmul (launched by `gptq_gemm` in quant_gemm.py when its config says `dequant`).
 
-From a few hundred rows on, the product is compute bound and the fused tl.dot kernel, which dequantizes every tile
-in registers before each MMA, runs at well under half the dense matmul's rate. Writing W^T [K, N] in x's dtype costs
-one pass over K * N elements, independent of M, so past the crossover the dense matmul's speed wins (vLLM's AWQ
-layer makes the same switch at 256 tokens).
+Past one 128-row MMA tile (`DEQUANT_MIN_M`) the product is compute bound, and the fused tl.dot kernel, which
+dequantizes every tile in registers before each MMA, runs at well under half the dense matmul's rate. Writing W^T
+[K, N] in x's dtype costs one pass over K * N elements, independent of M, so past the crossover the dense matmul's
+speed wins (vLLM's AWQ layer makes the same switch at 256 tokens).
 
 An act-order permutation is folded into the rows written: packed row i multiplies x[:, perm[i]], so it is stored
 as row perm[i] and the matmul takes x as it is.

@@ -66,8 +66,7 @@ DEQUANT_CONFIG = QuantGemmConfig(1, 256, 64, 1, 4, 1, dequant=True)
 # the H200 beat the best tl.dot launch at M = 256 on gate_up, 180 vs 257 us, and down, 102 vs 135 us, and ran
 # within 0.84-0.95x of the dense matmul at M = 2048). Measured with `python benchmarks/quant_gemm.py --sweep` on
 # an H200 (triton 3.6, fp16); each comment gives the time and the speed-up over the cuBLAS fp16 matmul, both timed
-# as CUDA graph replays over weight copies that exceed L2 (docs/benchmarks.md). The tl.dot rows (5-128) were swept
-# before its B tile went back to K order, which made every one of those launches 2-20% faster.
+# as CUDA graph replays over weight copies that exceed L2 (docs/benchmarks.md).
 HOPPER_TABLE: tuple[LaunchRule, ...] = (
     # M = 1: `quant_gemm.py --sweep --sweep-ms 1`, timed as CUDA graph replays (fp16, group 128).
     LaunchRule(
@@ -82,57 +81,56 @@ HOPPER_TABLE: tuple[LaunchRule, ...] = (
     LaunchRule(
         m=(1, 1), n=(4096, 4096), k=(14336, 14336), config=QuantGemmConfig(1, 128, 128, 17, 4, 1, gemv=True)
     ),  # M=1 down: 20.0 us (before 21.3), dense / this 1.70
-    # 5-64 rows: `quant_gemm.py --sweep --sweep-ms 16,32,64` timed as CUDA graph replays (fp16, group 128).
+    # 2-128 rows: `quant_gemm.py --sweep --sweep-ms 4,16,32,64,128`, graph-timed (fp16, group 128). The 4- and
+    # 16-row sweeps picked the same launches, hence one row for both buckets.
     LaunchRule(
-        m=(5, 16), n=(6144, 6144), k=(4096, 4096), config=QuantGemmConfig(16, 64, 128, 4, 4, 3, gemv=False)
-    ),  # M=16 qkv: 16.4 us, dense / this 0.97
+        m=(2, 16), n=(6144, 6144), k=(4096, 4096), config=QuantGemmConfig(16, 64, 128, 4, 4, 3)
+    ),  # M=4 / 16 qkv: 13.9 / 14.3 us, dense / this 1.17 / 1.12
     LaunchRule(
-        m=(5, 16), n=(4096, 4096), k=(4096, 4096), config=QuantGemmConfig(16, 64, 64, 8, 4, 3, gemv=False)
-    ),  # M=16 o: 12.7 us, dense / this 1.04
+        m=(2, 16), n=(4096, 4096), k=(4096, 4096), config=QuantGemmConfig(16, 64, 128, 9, 4, 3)
+    ),  # M=4 / 16 o: 10.9 / 11.3 us, dense / this 1.20 / 1.17
     LaunchRule(
-        m=(5, 16), n=(28672, 28672), k=(4096, 4096), config=QuantGemmConfig(16, 128, 64, 4, 4, 3, gemv=False)
-    ),  # M=16 gate_up: 55.8 us, dense / this 1.16
+        m=(2, 16), n=(28672, 28672), k=(4096, 4096), config=QuantGemmConfig(16, 64, 128, 2, 4, 3)
+    ),  # M=4 / 16 gate_up: 48.9 / 50.2 us, dense / this 1.28 / 1.19
     LaunchRule(
-        m=(5, 16), n=(4096, 4096), k=(14336, 14336), config=QuantGemmConfig(16, 128, 64, 17, 4, 3, gemv=False)
-    ),  # M=16 down: 31.6 us, dense / this 1.03
+        m=(2, 16), n=(4096, 4096), k=(14336, 14336), config=QuantGemmConfig(16, 64, 128, 8, 4, 3)
+    ),  # M=4 / 16 down: 26.8 / 27.0 us, dense / this 1.30 / 1.18
     LaunchRule(
-        m=(17, 32), n=(6144, 6144), k=(4096, 4096), config=QuantGemmConfig(32, 64, 64, 4, 4, 3, gemv=False)
-    ),  # M=32 qkv: 21.8 us (generic 30.6), dense / this 0.76
+        m=(17, 32), n=(6144, 6144), k=(4096, 4096), config=QuantGemmConfig(32, 64, 128, 4, 4, 3)
+    ),  # M=32 qkv: 18.0 us, dense / this 0.92
     LaunchRule(
-        m=(17, 32), n=(4096, 4096), k=(4096, 4096), config=QuantGemmConfig(32, 64, 128, 4, 4, 3, gemv=False)
-    ),  # M=32 o: 16.6 us (generic 21.2), dense / this 0.79
+        m=(17, 32), n=(4096, 4096), k=(4096, 4096), config=QuantGemmConfig(32, 64, 128, 4, 4, 3)
+    ),  # M=32 o: 14.0 us, dense / this 0.93
     LaunchRule(
-        m=(17, 32), n=(28672, 28672), k=(4096, 4096), config=QuantGemmConfig(32, 256, 64, 2, 4, 3, gemv=False)
-    ),  # M=32 gate_up: 63.4 us (generic 77.5), dense / this 0.97
+        m=(17, 32), n=(28672, 28672), k=(4096, 4096), config=QuantGemmConfig(32, 256, 64, 2, 4, 3)
+    ),  # M=32 gate_up: 58.7 us, dense / this 1.04
     LaunchRule(
-        m=(17, 32), n=(4096, 4096), k=(14336, 14336), config=QuantGemmConfig(32, 256, 64, 16, 4, 3, gemv=False)
-    ),  # M=32 down: 38.9 us (generic 60.3), dense / this 0.85
+        m=(17, 32), n=(4096, 4096), k=(14336, 14336), config=QuantGemmConfig(32, 128, 128, 8, 4, 3)
+    ),  # M=32 down: 33.0 us, dense / this 1.00
     LaunchRule(
-        m=(33, 64), n=(6144, 6144), k=(4096, 4096), config=QuantGemmConfig(64, 128, 64, 4, 8, 3, gemv=False)
-    ),  # M=64 qkv: 27.2 us (generic 33.7), dense / this 0.59
+        m=(33, 64), n=(6144, 6144), k=(4096, 4096), config=QuantGemmConfig(64, 64, 128, 4, 8, 3)
+    ),  # M=64 qkv: 24.4 us, dense / this 0.67
     LaunchRule(
-        m=(33, 64), n=(4096, 4096), k=(4096, 4096), config=QuantGemmConfig(64, 64, 128, 2, 8, 3, gemv=False)
-    ),  # M=64 o: 18.1 us (generic 24.5), dense / this 0.66
+        m=(33, 64), n=(4096, 4096), k=(4096, 4096), config=QuantGemmConfig(64, 64, 128, 4, 8, 3)
+    ),  # M=64 o: 16.4 us, dense / this 0.72
     LaunchRule(
-        m=(33, 64), n=(28672, 28672), k=(4096, 4096), config=QuantGemmConfig(64, 128, 64, 1, 8, 3, gemv=False)
-    ),  # M=64 gate_up: 80.0 us (the generic launch), dense / this 0.82
+        m=(33, 64), n=(28672, 28672), k=(4096, 4096), config=QuantGemmConfig(64, 128, 128, 1, 8, 3)
+    ),  # M=64 gate_up: 73.6 us, dense / this 0.84
     LaunchRule(
-        m=(33, 64), n=(4096, 4096), k=(14336, 14336), config=QuantGemmConfig(64, 128, 64, 8, 8, 3, gemv=False)
-    ),  # M=64 down: 46.9 us (generic 64.5), dense / this 0.75
-    # 65-128 rows (CUDA-graph timings, see docs/benchmarks.md): dequantize + matmul already beats every tl.dot
-    # launch on the two small projections.
+        m=(33, 64), n=(4096, 4096), k=(14336, 14336), config=QuantGemmConfig(64, 64, 128, 4, 8, 3)
+    ),  # M=64 down: 42.8 us, dense / this 0.83
     LaunchRule(
-        m=(65, 128), n=(6144, 6144), k=(4096, 4096), config=DEQUANT_CONFIG
-    ),  # M=128 qkv: 35.3 us (tl.dot 38.4), dense / this 0.50
+        m=(65, 128), n=(6144, 6144), k=(4096, 4096), config=QuantGemmConfig(128, 64, 128, 1, 8, 3)
+    ),  # M=128 qkv: 32.9 us (dequantize + matmul 35.3), dense / this 0.52
     LaunchRule(
-        m=(65, 128), n=(4096, 4096), k=(4096, 4096), config=DEQUANT_CONFIG
-    ),  # M=128 o: 25.9 us (tl.dot 26.9), dense / this 0.56
+        m=(65, 128), n=(4096, 4096), k=(4096, 4096), config=QuantGemmConfig(128, 64, 128, 2, 8, 3)
+    ),  # M=128 o: 22.1 us (dequantize + matmul 25.9), dense / this 0.63
     LaunchRule(
-        m=(65, 128), n=(28672, 28672), k=(4096, 4096), config=QuantGemmConfig(128, 128, 64, 1, 8, 3, gemv=False)
-    ),  # M=128 gate_up: 129.4 us (dequantize + matmul 189.0), dense / this 0.83
+        m=(65, 128), n=(28672, 28672), k=(4096, 4096), config=QuantGemmConfig(128, 128, 32, 1, 8, 3)
+    ),  # M=128 gate_up: 116.2 us, dense / this 0.92
     LaunchRule(
-        m=(65, 128), n=(4096, 4096), k=(14336, 14336), config=QuantGemmConfig(128, 64, 128, 2, 8, 3, gemv=False)
-    ),  # M=128 down: 68.1 us (dequantize + matmul 78.7), dense / this 0.55
+        m=(65, 128), n=(4096, 4096), k=(14336, 14336), config=QuantGemmConfig(128, 64, 64, 4, 8, 3)
+    ),  # M=128 down: 62.6 us, dense / this 0.58
 )
 
 # Split-K: programs the grid should reach per SM, and K tiles each split walks at least. Up to 16 rows the launch
