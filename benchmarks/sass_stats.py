@@ -19,7 +19,7 @@ import subprocess
 import tempfile
 from collections import Counter
 
-os.environ.setdefault("TRITON_INTERPRET", "0")  # compile, even on a machine without a GPU
+os.environ["TRITON_INTERPRET"] = "0"  # compile for the GPU target, also on a machine without one
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
