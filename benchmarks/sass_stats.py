@@ -1,6 +1,6 @@
 """SASS instructions per packed word in the W4A16 kernels' main loop, compiled for sm_90 on any machine.
 
-    python benchmarks/sass_stats.py                                  # the GEMV launches of the H200 table
+    python benchmarks/sass_stats.py                                  # every fused launch of the H200 table
     python benchmarks/sass_stats.py --kernel dot --block-m 16 --block-n 128 --block-k 64 --warps 4 --stages 3
 
 No GPU needed: Triton compiles for a Hopper target and its bundled cuobjdump disassembles the cubin. The W4A16
@@ -18,6 +18,7 @@ import re
 import subprocess
 import tempfile
 from collections import Counter
+from dataclasses import replace
 
 os.environ["TRITON_INTERPRET"] = "0"  # compile for the GPU target, also on a machine without one
 
@@ -26,6 +27,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from tritonllm.kernels.quant_gemm import _quant_gemm_kernel  # noqa: E402
+from tritonllm.kernels.quant_gemm_config import HOPPER_TABLE  # noqa: E402
 from tritonllm.kernels.quant_gemv import _quant_gemv_kernel  # noqa: E402
 
 _POINTERS = {
@@ -104,7 +106,7 @@ def report(kind: str, block_m: int, block_n: int, block_k: int, warps: int, stag
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kernel", choices=["gemv", "dot"], default=None, help="default: the table's GEMV rows")
+    parser.add_argument("--kernel", choices=["gemv", "dot"], default=None, help="default: the table's launches")
     parser.add_argument("--block-m", type=int, default=16)
     parser.add_argument("--block-n", type=int, default=64)
     parser.add_argument("--block-k", type=int, default=128)
@@ -113,10 +115,12 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=128)
     args = parser.parse_args()
     print(f"triton {triton.__version__}, sm_90, fp16, 4-bit, group {args.group_size}")
-    if args.kernel is None:
-        for block_n, warps in ((64, 4), (256, 8)):  # HOPPER_TABLE's M = 1 launches
-            report("gemv", 1, block_n, 128, warps, 1, args.group_size)
-        report("dot", 16, 128, 64, 4, 3, args.group_size)  # its 16-row launch for gate_up
+    if args.kernel is None:  # every distinct fused launch of the H200 table (split-K does not change the loop)
+        launches = dict.fromkeys(replace(r.config, split_k=1) for r in HOPPER_TABLE if not r.config.dequant)
+        for c in launches:
+            report(
+                "gemv" if c.gemv else "dot", c.block_m, c.block_n, c.block_k, c.num_warps, c.num_stages, args.group_size
+            )
         return
     report(args.kernel, args.block_m, args.block_n, args.block_k, args.warps, args.stages, args.group_size)
 
