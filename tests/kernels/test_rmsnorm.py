@@ -5,10 +5,18 @@ from hypothesis import strategies as st
 
 from tests.helpers import DEVICE, assert_close, dtypes, hidden_sizes, num_tokens, randn, seeds
 from tritonllm.kernels.rmsnorm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref
+from tritonllm.platform import INTERPRET
 
 eps_values = st.sampled_from([1e-6, 1e-5])
 input_scales = st.sampled_from([0.01, 1.0, 30.0])
 leading_shapes = st.sampled_from([(), (1,), (2, 3)])
+
+
+def _fused_out_scale(dtype: torch.dtype) -> float:
+    # The fused kernel rounds where the reference does (the residual sum, the normalised value, the output), so on
+    # a GPU they agree to the usual tolerance. Triton's interpreter truncates fp32 -> bf16 where both round to
+    # nearest, adding up to an ulp at each of the three points: about three bf16 ulps, 2.3% at worst.
+    return 1.5 if INTERPRET and dtype == torch.bfloat16 else 1.0
 
 
 def _weight(hidden: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -73,7 +81,7 @@ def test_fused_add_rms_norm_matches_ref(tokens, hidden, dtype, fp32_residual, ep
     out = fused_add_rms_norm(x, residual, weight, eps)
     assert residual.dtype == res_dtype and out.dtype == dtype
     assert_close(residual, expected_residual)
-    assert_close(out, expected_out, dtype=dtype)
+    assert_close(out, expected_out, dtype=dtype, scale=_fused_out_scale(dtype))
 
 
 @given(tokens=num_tokens, hidden=hidden_sizes, dtype=dtypes, seed=seeds())
@@ -86,7 +94,7 @@ def test_fused_add_rms_norm_strided_rows(tokens, hidden, dtype, seed):
     expected_out, expected_residual = fused_add_rms_norm_ref(x, residual, weight, 1e-6)
     out = fused_add_rms_norm(x, residual, weight, 1e-6)
     assert_close(residual, expected_residual)
-    assert_close(out, expected_out)
+    assert_close(out, expected_out, scale=_fused_out_scale(dtype))
 
 
 def test_rms_norm_rejects_bad_inputs():
