@@ -3,7 +3,7 @@
     python benchmarks/bench_attention.py --out results/            # ~1-2 min on an H200
     python benchmarks/bench_attention.py --out results/ --sweep    # + launch-config sweep for the Hopper table
     python benchmarks/bench_attention.py --out /tmp/smoke --tiny   # toy shapes, any device (CPU: interpreter)
-    python benchmarks/bench_attention.py --out results/ --head-dim 64 --only-sweep   # another head size's entries
+    python benchmarks/bench_attention.py --out results/ --head-dim 64 --sweep --only-extra  # another head size
 
 Decode: one query token per sequence, batch 1..256 x context 512..8k, 32 query / 8 KV heads of 128, bf16, KV
 blocks of 16 scattered over the cache in random order. Ours reads the paged cache; SDPA reads the same K/V laid
@@ -32,7 +32,16 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_utils import bench_device, environment, log, markdown_table, time_ms, write_results  # noqa: E402
+from bench_utils import (  # noqa: E402
+    STREAM_BYTES,
+    bench_device,
+    environment,
+    log,
+    markdown_table,
+    stream_us,
+    time_ms,
+    write_results,
+)
 
 from tritonllm.kernels.paged_attention import paged_attention  # noqa: E402
 from tritonllm.kernels.paged_attention_config import (  # noqa: E402
@@ -58,6 +67,14 @@ GRAPH_MAX_SEQ_LEN = 4096
 GRAPH_BATCHES = (1, 4)
 GRAPH_CONTEXTS = (256, 512, 1024, 4096)
 GRAPH_SPLITS = (1, 4, 8, 16, 32)
+# Decode as a model step runs it (--chain): one CUDA graph calls attention once per layer, each layer over its own
+# K/V (all layers together past L2), replayed back to back, so each call pays the gaps between kernels of a step
+# but no graph launch of its own. Forced split counts x merge (in the launch, 4 or 8 splits a step; a merge launch).
+CHAIN_BATCHES = (1, 2, 4, 8)
+CHAIN_CONTEXTS = (1024, 4096, 8192, 16384, 32768)
+CHAIN_SPLITS = (8, 16, 32, 64)
+CHAIN_MERGES = (("in launch", True, 4), ("in launch x8", True, 8), ("merge launch", False, 4))
+CHAIN_TILES = ((32, 4), (64, 4), (64, 5), (128, 4), (128, 5))  # (tile_n, stages) tried at batch 1
 MAX_DIFF = 0.05  # bf16 outputs of unit-variance attention: a larger gap to SDPA means a wrong result
 
 
@@ -74,6 +91,8 @@ class Shapes:
     sweep_decode: tuple[tuple[int, int], ...] = tuple(SWEEP_DECODE)
     sweep_prefill: tuple[int, ...] = SWEEP_PREFILL
     mixed_steps: tuple[tuple[int, int, int], ...] = MIXED_STEPS
+    chain_batches: tuple[int, ...] = CHAIN_BATCHES
+    chain_contexts: tuple[int, ...] = CHAIN_CONTEXTS
 
 
 TINY = Shapes(
@@ -87,6 +106,8 @@ TINY = Shapes(
     sweep_decode=((1, 96),),
     sweep_prefill=(32,),
     mixed_steps=((3, 48, 16),),
+    chain_batches=(1,),
+    chain_contexts=(96,),
 )
 
 
@@ -180,9 +201,9 @@ class Case:
     batch: int
 
 
-def _case(batch, query_len, context, s, dtype, device) -> Case:
-    kv = make_kv(batch, context, s, dtype, device, seed=batch * 100003 + context)
-    g = torch.Generator(device=device).manual_seed(context + query_len)
+def _case(batch, query_len, context, s, dtype, device, seed: int = 0) -> Case:
+    kv = make_kv(batch, context, s, dtype, device, seed=batch * 100003 + context + seed * 7919)
+    g = torch.Generator(device=device).manual_seed(context + query_len + seed)
     q = torch.randn(batch * query_len, s.heads, s.head_dim, generator=g, device=device, dtype=dtype)
     out = torch.empty_like(q)
     i32 = dict(dtype=torch.int32, device=device)
@@ -228,8 +249,8 @@ def _case(batch, query_len, context, s, dtype, device) -> Case:
     return Case(ours, theirs, check, config, work, batch)
 
 
-def decode_case(batch: int, context: int, s: Shapes, dtype, device) -> Case:
-    return _case(batch, 1, context, s, dtype, device)
+def decode_case(batch: int, context: int, s: Shapes, dtype, device, seed: int = 0) -> Case:
+    return _case(batch, 1, context, s, dtype, device, seed)
 
 
 def prefill_case(length: int, s: Shapes, dtype, device) -> Case:
@@ -389,6 +410,67 @@ def run_graph_splits(s, dtype, device, copy_gbs) -> list[dict]:
         log(f"graph splits B={batch} S={context}: " + " | ".join(f"{r['config']}: {r['us']:.1f} us" for r in mine))
         del case
     return rows
+
+
+def _chain_configs(batch: int, context: int, s: Shapes, dtype, device) -> dict[str, PagedAttentionConfig]:
+    plan = dict(
+        num_seqs=batch, num_heads=s.heads, num_kv_heads=s.kv_heads, head_size=s.head_dim, dtype=dtype,
+        max_query_len=1, max_seq_len=context, target=_target(device),
+    )  # fmt: skip
+    default = paged_attention_config(**plan)
+    configs = {"default": default}
+    for n, (merge, in_launch, chunk) in itertools.product(CHAIN_SPLITS, CHAIN_MERGES):
+        cfg = dataclasses.replace(
+            paged_attention_config(**plan, num_splits=n), merge_in_launch=in_launch, merge_chunk=chunk
+        )
+        configs.setdefault(f"{cfg.num_splits} splits, {merge}", cfg)
+    if batch == 1:
+        for (tile_n, stages), (merge, in_launch, chunk) in itertools.product(CHAIN_TILES, CHAIN_MERGES):
+            cfg = dataclasses.replace(
+                default, tile_n=tile_n, num_stages=stages, merge_in_launch=in_launch, merge_chunk=chunk
+            )
+            configs.setdefault(f"{cfg.num_splits} splits, {merge}, tile_n {tile_n}, {stages} stages", cfg)
+    return configs
+
+
+def run_chain(s, dtype, device, copy_gbs) -> list[dict]:
+    """Small-batch decode timed per layer inside one graph of a step's worth of layers (see CHAIN_BATCHES)."""
+    rows = []
+    for batch, context in itertools.product(s.chain_batches, s.chain_contexts):
+        rows.append(_chain_row(batch, context, s, dtype, device, copy_gbs))
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def _chain_row(batch: int, context: int, s: Shapes, dtype, device, copy_gbs: float) -> dict:
+    first = decode_case(batch, context, s, dtype, device)
+    layers = max(2, -(-STREAM_BYTES // int(first.work))) if device.type == "cuda" else 1
+    cases = [first] + [decode_case(batch, context, s, dtype, device, seed=i) for i in range(1, layers)]
+    sdpa_us = stream_us(lambda f: f(), [c.sdpa for c in cases], device)
+    timed = {}
+    for label, cfg in _chain_configs(batch, context, s, dtype, device).items():
+        err = _try_time(label, lambda cfg=cfg: (first.check(cfg), 0.0))
+        if err is None:
+            continue
+        if err[0] > MAX_DIFF:
+            log(f"WARNING: chain B={batch} S={context} {label} differs from SDPA by {err[0]:.3g}")
+        timed[label] = stream_us(lambda f: f(), [c.ours(cfg) for c in cases], device)
+    best = min(timed, key=timed.get)
+
+    def pct(us: float) -> float:
+        return 100 * first.work / (us * 1e-6) / 1e9 / copy_gbs
+
+    log(
+        f"chain B={batch} S={context} ({layers} layers): default {timed['default']:.1f} us "
+        f"{pct(timed['default']):.0f}% | best {best}: {timed[best]:.1f} us {pct(timed[best]):.0f}% | "
+        f"sdpa {sdpa_us:.1f} us {pct(sdpa_us):.0f}%"
+    )
+    return dict(
+        batch=batch, context=context, layers=layers, default=first.config.num_splits, default_us=timed["default"],
+        default_pct_copy=pct(timed["default"]), best=best, best_us=timed[best], best_pct_copy=pct(timed[best]),
+        sdpa_us=sdpa_us, sdpa_pct_copy=pct(sdpa_us), all_us=timed,
+    )  # fmt: skip
 
 
 def _rank_tiles(rows: list[dict], key: str) -> list[dict]:
@@ -603,6 +685,18 @@ def render(results: dict) -> str:
             "",
             markdown_table(["batch", "context", *labels], list(rows.values())),
         ]
+    if results.get("chain"):
+        columns = {
+            "batch": "batch", "context": "context", "layers": "layers", "default": "default splits",
+            "default_us": "default us", "default_pct_copy": "default % copy", "best": "best config",
+            "best_us": "best us", "best_pct_copy": "best % copy", "sdpa_us": "SDPA us", "sdpa_pct_copy": "SDPA % copy",
+        }  # fmt: skip
+        parts += [
+            "",
+            "## Small-batch decode per layer inside a step's graph (one call per layer, each over its own KV)",
+            "",
+            markdown_table(list(columns.values()), [[r[k] for k in columns] for r in results["chain"]]),
+        ]
     if "sweep" in results:
         sweep = results["sweep"]
         parts += ["", "## Sweep: best launch config per shape (the default is what paged_attention picks)", ""]
@@ -633,8 +727,9 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also sweep launch configs (a few more minutes)")
     parser.add_argument("--split-sweep", action="store_true", help="also time KV splits 1..8 at batch >= 32")
     parser.add_argument("--graph-splits", action="store_true", help="also time batch 1-4 decode planned for 4k")
+    parser.add_argument("--chain", action="store_true", help="also time batch 1-8 decode per layer of a step")
     parser.add_argument("--only-mixed", action="store_true", help="skip the decode and prefill tables")
-    parser.add_argument("--only-sweep", action="store_true", help="with --sweep: skip every other table")
+    parser.add_argument("--only-extra", action="store_true", help="only the tables asked for by other flags")
     parser.add_argument("--heads", type=int, default=HEADS, help="query heads")
     parser.add_argument("--kv-heads", type=int, default=KV_HEADS, help="KV heads")
     parser.add_argument("--head-dim", type=int, default=HEAD_DIM, help="head size (the table is keyed by it)")
@@ -644,8 +739,6 @@ def main() -> None:
     args = parser.parse_args()
     device = bench_device(args.device)
     shapes = TINY if args.tiny else Shapes(heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim)
-    if args.only_sweep and not args.sweep:
-        parser.error("--only-sweep needs --sweep")
     if args.batches:
         shapes = dataclasses.replace(shapes, batches=tuple(int(b) for b in args.batches.split(",")))
     dtype = torch.bfloat16
@@ -659,10 +752,12 @@ def main() -> None:
         shapes=f"{shapes.heads} query / {shapes.kv_heads} KV heads of {shapes.head_dim}, block {shapes.block}",
         copy_gbs=copy_gbs,
         copy_bytes=copy_bytes,
-        decode=[] if args.only_mixed or args.only_sweep else run_decode(shapes, dtype, device, copy_gbs),
-        prefill=[] if args.only_mixed or args.only_sweep else run_prefill(shapes, dtype, device),
+        decode=[] if args.only_mixed or args.only_extra else run_decode(shapes, dtype, device, copy_gbs),
+        prefill=[] if args.only_mixed or args.only_extra else run_prefill(shapes, dtype, device),
     )
-    results["mixed"] = [] if args.only_sweep else run_mixed(shapes, dtype, device)
+    results["mixed"] = [] if args.only_extra else run_mixed(shapes, dtype, device)
+    if args.chain:
+        results["chain"] = run_chain(shapes, dtype, device, copy_gbs)
     if args.sweep:
         results["sweep"] = run_sweep(shapes, dtype, device, copy_gbs)
     if args.split_sweep:

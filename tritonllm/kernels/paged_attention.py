@@ -38,7 +38,6 @@ from tritonllm.platform import INTERPRET, check_kernel_device
 
 _MAX_HEAD_SIZE = 256
 _MAX_INT32 = 2**31 - 1
-_MERGE_CHUNK = 4  # splits the in-launch merge reads per step: [BLOCK_M, 4, D] fp32, 64 registers a thread at D=128
 _LOG2E = 1.4426950408889634
 
 
@@ -384,7 +383,7 @@ def _launch(
         SPLIT_KV=split,
         MERGE_IN_LAUNCH=merge_in_launch,
         MERGE_SPLITS_PADDED=triton.next_power_of_2(cfg.num_splits),
-        MERGE_CHUNK=min(_MERGE_CHUNK, triton.next_power_of_2(cfg.num_splits)),
+        MERGE_CHUNK=min(cfg.merge_chunk, triton.next_power_of_2(cfg.num_splits)),
         SLIDING_WINDOW=sliding_window or 0,
         DOT_PRECISION="ieee" if fp32_dot else "tf32",
         INTERPRET=INTERPRET,

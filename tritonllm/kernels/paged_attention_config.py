@@ -53,6 +53,7 @@ class PagedAttentionConfig:
     num_splits: int = 1  # > 1: split-KV, each sequence's KV range over this many programs, then a merge
     merge_heads_per_program: int = 1  # query heads per program of the split-KV merge launch (power of two)
     merge_in_launch: bool = True  # split-KV: the last split program of a tile merges; False: a merge launch
+    merge_chunk: int = 4  # splits the in-launch merge reads per step ([block_m, chunk, D] fp32; power of two)
     # Sequences of at most short_queries.block_q queries (the decodes of a mixed step) run in a launch of their
     # own with this decode-shaped config, one program per sequence; this config's launch skips them. Without it
     # a decode next to a prefill chunk gets a whole prefill tile (128 rows) for its one token's GQA group.
@@ -264,8 +265,10 @@ def check_config(cfg: PagedAttentionConfig, num_kv_heads: int, queries_per_kv: i
     if cfg.kv_heads_per_program not in (1, num_kv_heads):
         raise ValueError(f"config.kv_heads_per_program must be 1 or num_kv_heads ({num_kv_heads}), got {cfg}")
     rows_per_token = cfg.kv_heads_per_program * queries_per_kv
-    if not (pow2(cfg.block_m) and pow2(cfg.tile_n) and pow2(cfg.merge_heads_per_program)):
-        raise ValueError(f"config.block_m, tile_n and merge_heads_per_program must be powers of two, got {cfg}")
+    if not all(pow2(x) for x in (cfg.block_m, cfg.tile_n, cfg.merge_heads_per_program, cfg.merge_chunk)):
+        raise ValueError(
+            f"config.block_m, tile_n, merge_heads_per_program and merge_chunk must be powers of two, got {cfg}"
+        )
     if cfg.block_q < 1 or cfg.block_q * rows_per_token > cfg.block_m:
         raise ValueError(
             f"config.block_m {cfg.block_m} must hold block_q {cfg.block_q} tokens x {rows_per_token} heads; "
