@@ -21,7 +21,9 @@ from tests.kernels.test_paged_attention import (
 from tritonllm.kernels.arrival_counters import _COUNTERS
 from tritonllm.kernels.paged_attention_config import (
     _DECODE_PROGRAMS_PER_SM,
+    _MAX_SPLITS,
     _MIN_WAVES,
+    _SPLIT_MIN_TILES,
     HOPPER_H200,
     AttentionTarget,
     PagedAttentionConfig,
@@ -193,26 +195,26 @@ def test_merge_matches_reference(num_tokens, num_heads, num_splits, head_size, h
     num_sms=st.sampled_from([1, 4, 78, 132, 148]),
     max_seq_len=st.integers(1, 1 << 17),
     tile_n=st.sampled_from([16, 32, 64, 128]),
+    chunk=st.sampled_from([1, 4, 8, 16]),
 )
-def test_num_splits_heuristic(num_programs, num_sms, max_seq_len, tile_n):
-    n = choose_num_splits(num_programs, num_sms, max_seq_len, tile_n)
-    assert 1 <= n <= 64
+def test_num_splits_heuristic(num_programs, num_sms, max_seq_len, tile_n, chunk):
+    n = choose_num_splits(num_programs, num_sms, max_seq_len, tile_n, chunk)
+    assert 1 <= n <= _MAX_SPLITS
     resident = _DECODE_PROGRAMS_PER_SM * num_sms
     if num_sms <= num_programs <= resident or num_programs >= _MIN_WAVES * resident:
         assert n == 1  # one wave that fills the GPU, or enough waves that the last one matters little
+    # What the grid asks for: 2 programs per SM, or past _MIN_WAVES waves of resident programs.
+    wanted = 2 * num_sms if num_programs < num_sms else _MIN_WAVES * resident
     if n > 1:
-        assert n * tile_n * 2 <= max_seq_len  # every split of the longest sequence walks >= 2 KV tiles
-        if num_programs < num_sms:
-            assert num_programs * (n - 1) < 2 * num_sms  # no more splits than it takes to reach 2 programs per SM
-        else:
-            assert num_programs * (n - 1) < _MIN_WAVES * resident  # no more than it takes to pass _MIN_WAVES waves
-    if n < min(max_seq_len // (tile_n * 2), 64):  # not held back by the length: the grid got what it wanted
-        if num_programs < num_sms:
-            assert num_programs * n >= 2 * num_sms
-        elif num_programs > resident:
-            assert num_programs * n >= _MIN_WAVES * resident
+        assert n * tile_n * _SPLIT_MIN_TILES <= max_seq_len  # every split of the longest sequence gets its tiles
+        assert num_programs * (n - 1) < wanted  # no more splits than it takes to get there
+    if n > chunk:
+        assert n % chunk == 0  # whole merge chunks
+    if n < min(max_seq_len // (tile_n * _SPLIT_MIN_TILES), _MAX_SPLITS) and (n > 1 or num_programs < num_sms):
+        # Not held back by the length: there, or one merge chunk short of it.
+        assert num_programs * (n + (chunk - 1 if n >= chunk else 0)) >= wanted
     # Longer contexts never ask for fewer splits.
-    assert choose_num_splits(num_programs, num_sms, 2 * max_seq_len, tile_n) >= n
+    assert choose_num_splits(num_programs, num_sms, 2 * max_seq_len, tile_n, chunk) >= n
 
 
 @given(

@@ -117,13 +117,14 @@ def _paged_attention_kernel(
         q_tile = tl.program_id(0).to(IDX)
         seq = _find_seq(query_start_loc_ptr, q_tile, num_seqs, BLOCK_Q).to(IDX)
         local_tile = q_tile - (tl.load(query_start_loc_ptr + seq).to(IDX) // BLOCK_Q + seq)
+    # Loaded together before any branch: each is a round trip to memory, and decode programs are short.
     q_start = tl.load(query_start_loc_ptr + seq).to(IDX)
     query_len = tl.load(query_start_loc_ptr + seq + 1).to(IDX) - q_start
+    seq_len = tl.load(seq_lens_ptr + seq).to(IDX)
     if local_tile * BLOCK_Q >= query_len:
         return  # an idle sequence, or one of the up to one surplus tiles per sequence the grid counts
     if (query_len < min_query_len) | (query_len > max_query_len):
         return  # the other launch of a mixed step serves this sequence (config.short_queries)
-    seq_len = tl.load(seq_lens_ptr + seq).to(IDX)
     context_len = seq_len - query_len
     kv_head0 = tl.program_id(1).to(IDX) * KV_HEADS
 

@@ -99,10 +99,9 @@ _HOPPER_FP32: dict[tuple[int, str], _Tile] = {
     (256, "prefill"): _Tile(block_m=32, tile_n=16, num_warps=8, num_stages=2),
 }
 
-# Split-KV: programs the grid should reach per SM, and KV tiles each split walks at least, so that the partial
-# round trip (fp32 [splits, D] per head, merged in the launch) stays small next to the K/V it saves.
+# Split-KV: programs the grid should reach per SM, and KV tiles each split walks at least.
 _SPLIT_PROGRAMS_PER_SM = 2
-_SPLIT_MIN_TILES = 2
+_SPLIT_MIN_TILES = 1
 _MAX_SPLITS = 64
 # A grid of more than one wave of resident programs but fewer than about two finishes its last, part-empty wave
 # at a fraction of the bandwidth: on the H200 (`bench_attention.py --split-sweep`, head 128, context 4k-8k), 512
@@ -110,10 +109,15 @@ _MAX_SPLITS = 64
 # until they pass _MIN_WAVES waves. Resident decode programs per SM: 3 (70 KiB of shared memory each at D = 128).
 _DECODE_PROGRAMS_PER_SM = 3
 _MIN_WAVES = 1.9
-# The last split program of a tile merges in the launch up to this many splits; more go to a merge launch, whose
-# programs read all splits in parallel. H200, head 128: batch 8 (5 splits) 0.8-0.9 -> 0.8-0.92 of SDPA's time in
-# the launch, batch 1 at 4k-8k (32 splits) 0.86-0.93 -> 0.77 (bench_attention.py).
-_MERGE_IN_LAUNCH_MAX_SPLITS = 8
+# The last split program of a tile merges in the launch up to this many splits, reading the partials a chunk of
+# splits at a time ([block_m, chunk, D] fp32 in _MERGE_REGISTERS registers a thread: 8 splits at 16 rows x 128);
+# more splits go to a merge launch, whose programs read them all in parallel. More splits than a whole number of
+# chunks round down to one (33 -> 32): the extra split costs a whole merge step. H200, head 128, batch 1-8,
+# per layer inside a step's graph (`bench_attention.py --chain`): 8-split chunks in the launch beat 4-split
+# chunks by 3-25% and the merge launch at 8-32 splits by up to 9% (batch 1 at 1k-32k: 32 splits 9.3-41.2 us
+# against 10.2-42.4); at 64 splits the merge launch wins.
+_MERGE_IN_LAUNCH_MAX_SPLITS = 32
+_MERGE_REGISTERS = 128
 
 # Interpreter: tiles are nearly free there (numpy), ops and programs are not. Triton caps a tile at 2^20
 # elements, so rows x KV positions, rows x columns and KV positions x columns each stay within 1024 x 1024.
@@ -122,13 +126,14 @@ _INTERP_MAX_TILE_N = 1024
 _INTERP_MAX_COLS = 1024  # kv heads x padded head size packed into one program
 
 
-def choose_num_splits(num_programs: int, num_sms: int, max_seq_len: int, tile_n: int) -> int:
+def choose_num_splits(num_programs: int, num_sms: int, max_seq_len: int, tile_n: int, merge_chunk: int = 8) -> int:
     """KV splits per sequence for a launch of `num_programs` = num_seqs * num_kv_heads unsplit programs.
 
     Split while the grid is short of _SPLIT_PROGRAMS_PER_SM programs per SM, or when it is between one and
-    _MIN_WAVES waves of resident programs (see above); never into splits shorter than _SPLIT_MIN_TILES KV tiles of
-    the longest sequence. Sequences shorter than max_seq_len leave their last splits empty (they cost a launch
-    slot, not a read), which is what a CUDA graph captured at max_model_len replays.
+    _MIN_WAVES waves of resident programs (see above), past `merge_chunk` splits only in whole chunks; never into
+    splits shorter than _SPLIT_MIN_TILES KV tiles of the longest sequence. A sequence shorter than max_seq_len cuts
+    its own range into the same number of splits, leaving any beyond its tiles empty (a launch slot, not a read):
+    what a CUDA graph captured at max_model_len replays.
     """
     if num_programs <= 0:
         return 1
@@ -139,6 +144,8 @@ def choose_num_splits(num_programs: int, num_sms: int, max_seq_len: int, tile_n:
         wanted = math.ceil(_MIN_WAVES * resident / num_programs)
     else:
         return 1
+    if wanted > merge_chunk:
+        wanted -= wanted % merge_chunk
     by_length = max_seq_len // (tile_n * _SPLIT_MIN_TILES)
     return max(1, min(wanted, by_length, _MAX_SPLITS))
 
@@ -176,9 +183,12 @@ def paged_attention_config(
     if max_query_len > cfg.block_q:
         # Query tiles of one sequence cannot share partial buffers: no split-KV.
         return _with_short_queries(cfg, target, queries_per_kv, head_padded, dtype, max_query_len)
-    if num_splits is None:
+    if num_splits is None and target.interpret:
+        num_splits = 1
+    elif num_splits is None:
         programs = num_seqs * triton.cdiv(num_kv_heads, cfg.kv_heads_per_program)
-        num_splits = 1 if target.interpret else choose_num_splits(programs, target.num_sms, max_seq_len, cfg.tile_n)
+        chunk = _merge_chunk(cfg, head_padded, target)
+        num_splits = choose_num_splits(programs, target.num_sms, max_seq_len, cfg.tile_n, chunk)
     if num_splits == 1:
         return _with_short_queries(cfg, target, queries_per_kv, head_padded, dtype, max_query_len)
     if target.interpret:
@@ -192,7 +202,18 @@ def paged_attention_config(
         num_splits=num_splits,
         merge_heads_per_program=merge_heads,
         merge_in_launch=num_splits <= _MERGE_IN_LAUNCH_MAX_SPLITS,
+        merge_chunk=min(_merge_chunk(cfg, head_padded, target), triton.next_power_of_2(num_splits)),
     )
+
+
+def _merge_chunk(cfg: PagedAttentionConfig, head_padded: int, target: AttentionTarget) -> int:
+    """Splits the in-launch merge reads at a time, a power of two: [block_m, chunk, columns] fp32 in
+    _MERGE_REGISTERS registers a thread on a GPU; under the interpreter (whose cost is per op, not per element) as
+    many as Triton's largest tile (2^20 elements) holds."""
+    elements = (1 << 20) if target.interpret else _MERGE_REGISTERS * 32 * cfg.num_warps
+    columns = triton.next_power_of_2(cfg.kv_heads_per_program) * head_padded
+    chunk = elements // (cfg.block_m * columns)
+    return max(1, triton.next_power_of_2(chunk + 1) // 2)
 
 
 def _gpu_config(queries_per_kv: int, head_padded: int, dtype: torch.dtype, max_query_len: int) -> PagedAttentionConfig:

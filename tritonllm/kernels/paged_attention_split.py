@@ -38,9 +38,6 @@ def _merge_attention_partials_kernel(
     HAS_NUM_VALID: tl.constexpr,
 ):
     token = tl.program_id(0)
-    if HAS_NUM_VALID:
-        if token >= tl.load(num_valid_ptr):
-            return  # a padding row past the scheduled tokens: left as the caller gave it
     offs_h = tl.program_id(1) * HEADS_PER_PROGRAM + tl.arange(0, HEADS_PER_PROGRAM)
     offs_s = tl.arange(0, SPLITS_PADDED)
     offs_d = tl.arange(0, HEAD_SIZE_PADDED)
@@ -67,6 +64,11 @@ def _merge_attention_partials_kernel(
 
     out_offs = t64 * stride_out_t + offs_h[:, None] * stride_out_h + offs_d[None, :]
     out_mask = h_valid[:, None] & (offs_d[None, :] < HEAD_SIZE)
+    if HAS_NUM_VALID:
+        # A padding row past the scheduled tokens is left as the caller gave it. Checked at the store, not with an
+        # early exit, so the partials' loads need not wait for this one (a padding row's partials are only read).
+        # The token as a [1, 1] tensor: the interpreter rejects a scalar operand in a mask.
+        out_mask = out_mask & (tl.full([1, 1], token, tl.int32) < tl.load(num_valid_ptr))
     tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
