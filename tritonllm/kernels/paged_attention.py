@@ -176,7 +176,14 @@ def _paged_attention_kernel(
         # This program's run of whole tiles; the sequence's own length sets the run, so a launch sized for a
         # longer max_seq_len leaves the trailing splits empty rather than unbalanced.
         split = tl.program_id(2).to(IDX)
-        tiles_per_split = tl.cdiv(tl.cdiv(kv_end - lo, TILE_N), num_splits)
+        num_tiles = tl.cdiv(kv_end - lo, TILE_N)  # >= 1: a scheduled query sees at least itself
+        tiles_per_split = tl.cdiv(num_tiles, num_splits)
+        if MERGE_IN_LAUNCH:
+            # Only the splits that hold keys take part (a short sequence in a launch planned for max_model_len
+            # leaves most of them empty): the rest neither store partials nor arrive, and the merge reads fewer.
+            used_splits = tl.cdiv(num_tiles, tiles_per_split)
+            if split >= used_splits:
+                return
         lo = lo + split * tiles_per_split * TILE_N
         hi = tl.minimum(lo + tiles_per_split * TILE_N, kv_end)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
@@ -224,7 +231,7 @@ def _paged_attention_kernel(
             # One counter per (sequence, KV head program): split-KV runs one query tile per sequence.
             merge_splits_in_launch(
                 out_ptr, part_out_ptr, part_lse_ptr, counters_ptr + seq * tl.num_programs(1) + tl.program_id(1),
-                token, q_head, offs_d, row_valid, own, num_splits, stride_out_t, stride_out_h, stride_po_t,
+                token, q_head, offs_d, row_valid, own, used_splits, stride_out_t, stride_out_h, stride_po_t,
                 stride_po_h, stride_po_s, stride_pl_t, stride_pl_h, MERGE_SPLITS_PADDED, MERGE_CHUNK,
             )  # fmt: skip
     else:
