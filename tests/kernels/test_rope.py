@@ -4,7 +4,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.helpers import DEVICE, assert_close, dtypes, num_tokens, randn, seeds
-from tritonllm.kernels.rope import apply_rotary, apply_rotary_ref
+from tritonllm.kernels.kv_cache import write_kv_cache_ref
+from tritonllm.kernels.rope import apply_rotary, apply_rotary_and_cache, apply_rotary_ref
 
 MAX_POS = 300
 head_dims = st.sampled_from([8, 64, 123, 128])
@@ -121,6 +122,64 @@ def test_apply_rotary_neox_and_gptj_differ_only_by_pair_layout(dtype, seed):
     apply_rotary(positions, gptj_q, gptj_q.clone(), cache, is_neox=False)
     apply_rotary(positions, neox_q, neox_q.clone(), cache, is_neox=True)
     assert_close(gptj_q[..., perm], neox_q)
+
+
+@given(
+    tokens=num_tokens,
+    heads=head_counts,
+    head_dim=head_dims,
+    fraction=rotary_fractions,
+    is_neox=st.booleans(),
+    block_size=st.sampled_from([1, 16]),
+    skip=st.sampled_from([0.0, 0.4]),
+    dtype=dtypes,
+    seed=seeds(),
+)
+def test_apply_rotary_and_cache_matches_rotary_then_cache_write(
+    tokens, heads, head_dim, fraction, is_neox, block_size, skip, dtype, seed
+):
+    hq, hk = heads
+    rot_dim = _rot_dim(head_dim, fraction)
+    cache = _cache(rot_dim)
+    g = torch.Generator().manual_seed(seed)
+    positions = torch.randint(0, MAX_POS, (tokens,), generator=g).to(DEVICE)
+    qkv, q, k = _fused_qkv(tokens, hq, hk, head_dim, dtype, seed, pad=3)
+    v = qkv[:, (hq + hk) * head_dim : (hq + 2 * hk) * head_dim].view(tokens, hk, head_dim)
+    num_blocks = -(-2 * tokens // block_size)
+    k_cache = randn(num_blocks, block_size, hk, head_dim, dtype=dtype, seed=seed + 1)  # old contents, not zeros
+    v_cache = randn(num_blocks, block_size, hk, head_dim, dtype=dtype, seed=seed + 2)
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:tokens]
+    slots = torch.where(torch.rand(tokens, generator=g) < skip, -1, slots).to(DEVICE)
+    expected_q, rotated_k = apply_rotary_ref(positions, q, k, cache, is_neox)
+    expected_k_cache, expected_v_cache = k_cache.clone(), v_cache.clone()
+    write_kv_cache_ref(rotated_k, v, expected_k_cache, expected_v_cache, slots)
+    k_before, v_before = k.clone(), v.clone()
+
+    assert apply_rotary_and_cache(positions, q, k, v, cache, is_neox, k_cache, v_cache, slots) is q
+
+    assert_close(q, expected_q)
+    assert_close(k_cache, expected_k_cache)
+    assert torch.equal(v_cache, expected_v_cache)
+    assert torch.equal(k, k_before) and torch.equal(v, v_before)  # k's rotation went to the cache only
+
+
+def test_apply_rotary_and_cache_rejects_a_mismatched_cache():
+    positions = torch.arange(4, device=DEVICE)
+    q, k, v = (
+        torch.randn(4, 2, 16, device=DEVICE),
+        torch.randn(4, 1, 16, device=DEVICE),
+        torch.randn(4, 1, 16, device=DEVICE),
+    )
+    slots = torch.arange(4, device=DEVICE)
+    cache = torch.zeros(2, 4, 1, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="cache holds 2 heads"):
+        apply_rotary_and_cache(
+            positions, q, k, v, _cache(16), True, cache.repeat(1, 1, 2, 1), cache.repeat(1, 1, 2, 1), slots
+        )
+    with pytest.raises(ValueError, match="slot_mapping must be int64"):
+        apply_rotary_and_cache(positions, q, k, v, _cache(16), True, cache, cache.clone(), slots.int())
+    with pytest.raises(ValueError, match="rot_dim"):
+        apply_rotary_and_cache(positions, q, k, v, _cache(32), True, cache, cache.clone(), slots)
 
 
 def test_apply_rotary_rejects_bad_inputs():

@@ -77,21 +77,15 @@ def check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         )
 
 
-def write_kv_cache(
+def check_kv_write(
     key: torch.Tensor,
     value: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """k_cache[s // bs, s % bs] = key[t] and v_cache[...] = value[t] for s = slot_mapping[t] >= 0.
-
-    key, value:        [T, Hk, D], cache dtype; the last dim contiguous, token/head strides free
-                       (views into a fused qkv projection output are fine).
-    k_cache, v_cache:  [num_blocks, block_size, Hk, D], the last dim contiguous.
-    slot_mapping:      [T] int64; -1 skips the token. Slots are trusted to lie inside the cache.
-    Writes in place; returns nothing.
-    """
+    """Raise a ValueError naming the problem unless `write_kv_cache(key, value, k_cache, v_cache, slot_mapping)`
+    can run (shapes, dtypes, strides, devices)."""
     check_kernel_device(key, value, k_cache, v_cache, slot_mapping)
     if key.dim() != 3 or value.shape != key.shape:
         raise ValueError(
@@ -100,7 +94,7 @@ def write_kv_cache(
         )
     check_cache_pair(k_cache, v_cache)
     num_tokens, num_kv_heads, head_size = key.shape
-    _, block_size, cache_heads, cache_head_size = k_cache.shape
+    _, _, cache_heads, cache_head_size = k_cache.shape
     if (cache_heads, cache_head_size) != (num_kv_heads, head_size):
         raise ValueError(
             f"key has {num_kv_heads} heads of size {head_size} but the cache holds {cache_heads} heads of size "
@@ -121,6 +115,26 @@ def write_kv_cache(
             raise ValueError(f"{name} needs a contiguous last (head_size) dim, got strides {t.stride()}")
     if not slot_mapping.is_contiguous():
         raise ValueError("slot_mapping must be contiguous; call .contiguous() on it")
+
+
+def write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """k_cache[s // bs, s % bs] = key[t] and v_cache[...] = value[t] for s = slot_mapping[t] >= 0.
+
+    key, value:        [T, Hk, D], cache dtype; the last dim contiguous, token/head strides free
+                       (views into a fused qkv projection output are fine).
+    k_cache, v_cache:  [num_blocks, block_size, Hk, D], the last dim contiguous.
+    slot_mapping:      [T] int64; -1 skips the token. Slots are trusted to lie inside the cache.
+    Writes in place; returns nothing.
+    """
+    check_kv_write(key, value, k_cache, v_cache, slot_mapping)
+    num_tokens, num_kv_heads, head_size = key.shape
+    block_size = k_cache.shape[1]
     if num_tokens == 0:
         return
 

@@ -1,43 +1,43 @@
-"""Rotary position embedding applied in place to q and k (neox half-split or gptj interleaved pairs)."""
+"""Rotary position embedding applied in place to q and k (neox half-split or gptj interleaved pairs), or to q in place
+and to k on its way into the paged KV cache, with v, in the same launch (`apply_rotary_and_cache`)."""
 
 import torch
 import triton
 import triton.language as tl
 
+from tritonllm.kernels.kv_cache import check_kv_write
 from tritonllm.platform import check_kernel_device
 
 
 @triton.jit
 def _rotate_heads(
-    x_ptr,
-    token,
-    head_start,
-    num_heads,
-    stride_x_t,
-    stride_x_h,
+    src_ptr,
+    dst_ptr,
+    src_rows,
+    dst_rows,
+    head_mask,
     cos,
     sin,
     half_offs,
     half_mask,
     half,
     IS_NEOX: tl.constexpr,
-    BLOCK_HEADS: tl.constexpr,
 ):
-    heads = (head_start + tl.arange(0, BLOCK_HEADS)).to(tl.int64)
-    mask = (heads < num_heads)[:, None] & half_mask[None, :]
-    row_ptrs = x_ptr + token * stride_x_t + heads[:, None] * stride_x_h
+    """Rotate the heads whose row offsets are src_rows [BLOCK_HEADS] and store them at dst_rows (in place when
+    both are the same rows)."""
+    mask = head_mask[:, None] & half_mask[None, :]
     if IS_NEOX:
-        ptrs1 = row_ptrs + half_offs[None, :]  # pairs (i, i + rot_dim / 2)
-        ptrs2 = ptrs1 + half
+        offs1 = half_offs[None, :]  # pairs (i, i + rot_dim / 2)
+        offs2 = offs1 + half
     else:
-        ptrs1 = row_ptrs + 2 * half_offs[None, :]  # pairs (2i, 2i + 1)
-        ptrs2 = ptrs1 + 1
-    x1 = tl.load(ptrs1, mask=mask, other=0.0)
-    x2 = tl.load(ptrs2, mask=mask, other=0.0)
+        offs1 = 2 * half_offs[None, :]  # pairs (2i, 2i + 1)
+        offs2 = offs1 + 1
+    x1 = tl.load(src_ptr + src_rows[:, None] + offs1, mask=mask, other=0.0)
+    x2 = tl.load(src_ptr + src_rows[:, None] + offs2, mask=mask, other=0.0)
     x1f = x1.to(tl.float32)
     x2f = x2.to(tl.float32)
-    tl.store(ptrs1, (x1f * cos - x2f * sin).to(x1.dtype), mask=mask)
-    tl.store(ptrs2, (x2f * cos + x1f * sin).to(x1.dtype), mask=mask)
+    tl.store(dst_ptr + dst_rows[:, None] + offs1, (x1f * cos - x2f * sin).to(dst_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst_ptr + dst_rows[:, None] + offs2, (x2f * cos + x1f * sin).to(dst_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -46,6 +46,10 @@ def _apply_rotary_kernel(
     q_ptr,
     k_ptr,
     cache_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_mapping_ptr,
     num_q_heads,
     num_k_heads,
     half,
@@ -55,11 +59,23 @@ def _apply_rotary_kernel(
     stride_k_t,
     stride_k_h,
     stride_cache_pos,
+    stride_v_t,
+    stride_v_h,
+    stride_kc_block,
+    stride_kc_slot,
+    stride_kc_head,
+    stride_vc_block,
+    stride_vc_slot,
+    stride_vc_head,
     IS_NEOX: tl.constexpr,
+    WRITE_CACHE: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
     BLOCK_HEADS: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
-    # grid = (T, q head blocks + k head blocks): one token's cos/sin row, one block of heads of q or of k.
+    # grid = (T, q head blocks + k head blocks): one token's cos/sin row, one block of heads of q or of k (and v).
     token = tl.program_id(0).to(tl.int64)
     head_block = tl.program_id(1)
     pos = tl.load(pos_ptr + token * stride_pos).to(tl.int64)
@@ -70,37 +86,32 @@ def _apply_rotary_kernel(
     sin = tl.load(cache_row + half + half_offs, mask=half_mask, other=0.0)[None, :]
     num_q_blocks = tl.cdiv(num_q_heads, BLOCK_HEADS)
     if head_block < num_q_blocks:
-        _rotate_heads(
-            q_ptr,
-            token,
-            head_block * BLOCK_HEADS,
-            num_q_heads,
-            stride_q_t,
-            stride_q_h,
-            cos,
-            sin,
-            half_offs,
-            half_mask,
-            half,
-            IS_NEOX,
-            BLOCK_HEADS,
-        )
+        heads = (head_block * BLOCK_HEADS + tl.arange(0, BLOCK_HEADS)).to(tl.int64)
+        rows = token * stride_q_t + heads * stride_q_h
+        _rotate_heads(q_ptr, q_ptr, rows, rows, heads < num_q_heads, cos, sin, half_offs, half_mask, half, IS_NEOX)
     else:
-        _rotate_heads(
-            k_ptr,
-            token,
-            (head_block - num_q_blocks) * BLOCK_HEADS,
-            num_k_heads,
-            stride_k_t,
-            stride_k_h,
-            cos,
-            sin,
-            half_offs,
-            half_mask,
-            half,
-            IS_NEOX,
-            BLOCK_HEADS,
-        )
+        heads = ((head_block - num_q_blocks) * BLOCK_HEADS + tl.arange(0, BLOCK_HEADS)).to(tl.int64)
+        head_mask = heads < num_k_heads
+        k_rows = token * stride_k_t + heads * stride_k_h
+        if WRITE_CACHE:
+            # k rotated straight into its cache slot (k itself untouched), v copied next to it; -1 skips.
+            slot = tl.load(slot_mapping_ptr + token)
+            if slot >= 0:
+                block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
+                kc_rows = block * stride_kc_block + offset * stride_kc_slot + heads * stride_kc_head
+                vc_rows = block * stride_vc_block + offset * stride_vc_slot + heads * stride_vc_head
+                _rotate_heads(k_ptr, k_cache_ptr, k_rows, kc_rows, head_mask, cos, sin, half_offs, half_mask, half,
+                              IS_NEOX)  # fmt: skip
+                offs_d = tl.arange(0, BLOCK_D)[None, :]
+                row_mask = head_mask[:, None] & (offs_d < HEAD_SIZE)
+                rest = row_mask & (offs_d >= 2 * half)  # dims past rot_dim pass through
+                tl.store(k_cache_ptr + kc_rows[:, None] + offs_d, tl.load(k_ptr + k_rows[:, None] + offs_d, mask=rest),
+                         mask=rest)  # fmt: skip
+                v_rows = token * stride_v_t + heads * stride_v_h
+                tl.store(v_cache_ptr + vc_rows[:, None] + offs_d, tl.load(v_ptr + v_rows[:, None] + offs_d,
+                         mask=row_mask), mask=row_mask)  # fmt: skip
+        else:
+            _rotate_heads(k_ptr, k_ptr, k_rows, k_rows, head_mask, cos, sin, half_offs, half_mask, half, IS_NEOX)
 
 
 def _check(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor) -> None:
@@ -152,18 +163,54 @@ def apply_rotary(
     (views of a fused qkv output work). cos_sin_cache: [max_pos, rot_dim] fp32 = [cos | sin] per position.
     """
     _check(positions, q, k, cos_sin_cache)
-    num_tokens = q.shape[0]
+    _launch(positions, q, k, cos_sin_cache, is_neox, None)
+    return q, k
+
+
+def apply_rotary_and_cache(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """`apply_rotary` on q, and `write_kv_cache` of rotated k and of v, in one launch; returns q.
+
+    q is rotated IN PLACE; k's rotation goes to its cache slot only (k and v are not written). Arguments as for
+    apply_rotary (q, k, cos_sin_cache, is_neox, positions) and write_kv_cache (v like k; k_cache, v_cache
+    [num_blocks, block_size, Hk, D]; slot_mapping [T] int64, -1 skips the token).
+    """
+    _check(positions, q, k, cos_sin_cache)
+    check_kv_write(k, v, k_cache, v_cache, slot_mapping)
+    _launch(positions, q, k, cos_sin_cache, is_neox, (v, k_cache, v_cache, slot_mapping))
+    return q
+
+
+def _launch(positions, q, k, cos_sin_cache, is_neox, cache_write) -> None:
+    num_tokens, head_size = q.shape[0], q.shape[2]
     if num_tokens == 0:
-        return q, k
+        return
     half = cos_sin_cache.shape[1] // 2
     block_half = triton.next_power_of_2(half)
-    block_heads = min(triton.next_power_of_2(max(q.shape[1], k.shape[1])), max(1, 1024 // block_half))
+    block_d = triton.next_power_of_2(head_size)
+    # Up to 1024 elements a tile: rotation halves, or whole heads where v is copied too.
+    block_heads = triton.next_power_of_2(max(q.shape[1], k.shape[1]))
+    block_heads = min(block_heads, max(1, 1024 // (block_half if cache_write is None else block_d)))
     grid = (num_tokens, triton.cdiv(q.shape[1], block_heads) + triton.cdiv(k.shape[1], block_heads))
+    v, k_cache, v_cache, slot_mapping = cache_write or (k, k, k, positions)  # the latter never read
     _apply_rotary_kernel[grid](
         positions,
         q,
         k,
         cos_sin_cache,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
         q.shape[1],
         k.shape[1],
         half,
@@ -173,12 +220,19 @@ def apply_rotary(
         k.stride(0),
         k.stride(1),
         cos_sin_cache.stride(0),
+        v.stride(0),
+        v.stride(1),
+        *(k_cache.stride()[:3] if cache_write else (0, 0, 0)),
+        *(v_cache.stride()[:3] if cache_write else (0, 0, 0)),
         IS_NEOX=is_neox,
+        WRITE_CACHE=cache_write is not None,
+        HEAD_SIZE=head_size,
+        BLOCK_SIZE=k_cache.shape[1] if cache_write else 1,
         BLOCK_HEADS=block_heads,
         BLOCK_HALF=block_half,
+        BLOCK_D=block_d,
         num_warps=4,
     )
-    return q, k
 
 
 def _rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox: bool) -> torch.Tensor:

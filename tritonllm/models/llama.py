@@ -99,8 +99,7 @@ class LlamaAttention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         q, k = self.norm_qk(q, k)
-        q, k = self.rotary_emb(positions, q, k)
-        out = self.attn(q, k, v)  # [T, num_heads, head_dim]
+        out = self.attn(q, k, v, positions, self.rotary_emb)  # [T, num_heads, head_dim]; rotary fused with the KV write
         return self.o_proj(out.reshape(t, self.q_size))
 
 

@@ -7,13 +7,14 @@ from torch import nn
 
 from tritonllm.kernels.kv_cache import write_kv_cache
 from tritonllm.kernels.paged_attention import paged_attention
+from tritonllm.models.layers.rotary import RotaryEmbedding
 from tritonllm.runtime.forward_context import get_forward_context
 
 
 class Attention(nn.Module):
     """out[t, h] = softmax(scale * q[t, h] . K^T) V over the context of token t's sequence (causal, optional window).
 
-    q [T, num_heads, head_size]; k, v [T, num_kv_heads, head_size] (the new tokens, already rotated).
+    q [T, num_heads, head_size]; k, v [T, num_kv_heads, head_size] (the new tokens).
     The runner binds `k_cache` / `v_cache`, per-layer views [num_blocks, block_size, num_kv_heads, head_size]
     of its one KV tensor; they are plain attributes (not buffers) so they stay out of the state dict.
     """
@@ -37,8 +38,19 @@ class Attention(nn.Module):
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Returns [T, num_heads, head_size] in q's dtype."""
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        rotary_emb: RotaryEmbedding | None = None,
+    ) -> torch.Tensor:
+        """Returns [T, num_heads, head_size] in q's dtype.
+
+        With `rotary_emb` (and the tokens' `positions`), q and k arrive unrotated: the rotation runs in the same
+        launch as the KV cache write. Without it they arrive rotated.
+        """
         meta = get_forward_context().attn_metadata
         if meta is None:
             # A profiling pass with no cache bound: only the output's shape and memory matter.
@@ -48,7 +60,12 @@ class Attention(nn.Module):
                 "Attention has no KV cache bound; the runner must set each layer's k_cache/v_cache "
                 "(model.attention_layers()) before running with attention metadata"
             )
-        write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        if rotary_emb is None:
+            write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        elif positions is None:
+            raise ValueError("Attention with rotary_emb needs the tokens' positions")
+        else:
+            q = rotary_emb.rotate_and_cache(positions, q, k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         return paged_attention(
             q,
             self.k_cache,

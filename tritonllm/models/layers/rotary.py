@@ -6,7 +6,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tritonllm.kernels.rope import apply_rotary
+from tritonllm.kernels.rope import apply_rotary, apply_rotary_and_cache
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 # Types whose scaling needs the pre-extension context length (HF fills it in from max_position_embeddings).
@@ -45,6 +45,22 @@ class RotaryEmbedding(nn.Module):
         k3 = k if k.dim() == 3 else k.view(k.shape[0], -1, self.head_size)
         apply_rotary(positions, q3, k3, self.cos_sin_cache, self.is_neox)
         return q, k
+
+    def rotate_and_cache(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> torch.Tensor:
+        """q [T, Hq, D] rotated in place and returned; rotated k and v [T, Hk, D] written to their cache slots."""
+        apply_rotary_and_cache(
+            positions, q, k, v, self.cos_sin_cache, self.is_neox, k_cache, v_cache, slot_mapping
+        )  # fmt: skip
+        return q
 
     def extra_repr(self) -> str:
         return (
