@@ -115,9 +115,12 @@ _MIN_WAVES = 1.9
 # chunks round down to one (33 -> 32): the extra split costs a whole merge step. H200, head 128, batch 1-8,
 # per layer inside a step's graph (`bench_attention.py --chain`): 8-split chunks in the launch beat 4-split
 # chunks by 3-25% and the merge launch at 8-32 splits by up to 9% (batch 1 at 1k-32k: 32 splits 9.3-41.2 us
-# against 10.2-42.4); at 64 splits the merge launch wins.
+# against 10.2-42.4); at 64 splits the merge launch wins. The wide chunk costs the kernel its third resident
+# program per SM, so a grid of more than _SPLIT_PROGRAMS_PER_SM programs per SM merges with half of it (batch 8,
+# 5 splits: 320 programs, 45 -> 59 us at 4k with the wide one).
 _MERGE_IN_LAUNCH_MAX_SPLITS = 32
 _MERGE_REGISTERS = 128
+_MERGE_REGISTERS_FULL_GRID = 64
 
 # Interpreter: tiles are nearly free there (numpy), ops and programs are not. Triton caps a tile at 2^20
 # elements, so rows x KV positions, rows x columns and KV positions x columns each stay within 1024 x 1024.
@@ -187,12 +190,13 @@ def paged_attention_config(
         num_splits = 1
     elif num_splits is None:
         programs = num_seqs * triton.cdiv(num_kv_heads, cfg.kv_heads_per_program)
-        chunk = _merge_chunk(cfg, head_padded, target)
+        chunk = _merge_chunk(cfg, head_padded, target, programs)
         num_splits = choose_num_splits(programs, target.num_sms, max_seq_len, cfg.tile_n, chunk)
     if num_splits == 1:
         return _with_short_queries(cfg, target, queries_per_kv, head_padded, dtype, max_query_len)
     if target.interpret:
         cfg = _interpreter_config(*shape, num_splits=num_splits)  # shorter KV tiles, so each split gets some
+    grid = num_seqs * triton.cdiv(num_kv_heads, cfg.kv_heads_per_program) * num_splits
     # Partial elements per merge program: ~8K on a GPU (registers); up to 2^18 under the interpreter (few programs).
     budget = 1 << 18 if target.interpret else 8192
     merge_heads = triton.next_power_of_2(num_heads)
@@ -202,15 +206,21 @@ def paged_attention_config(
         num_splits=num_splits,
         merge_heads_per_program=merge_heads,
         merge_in_launch=num_splits <= _MERGE_IN_LAUNCH_MAX_SPLITS,
-        merge_chunk=min(_merge_chunk(cfg, head_padded, target), triton.next_power_of_2(num_splits)),
+        merge_chunk=min(_merge_chunk(cfg, head_padded, target, grid), triton.next_power_of_2(num_splits)),
     )
 
 
-def _merge_chunk(cfg: PagedAttentionConfig, head_padded: int, target: AttentionTarget) -> int:
-    """Splits the in-launch merge reads at a time, a power of two: [block_m, chunk, columns] fp32 in
-    _MERGE_REGISTERS registers a thread on a GPU; under the interpreter (whose cost is per op, not per element) as
-    many as Triton's largest tile (2^20 elements) holds."""
-    elements = (1 << 20) if target.interpret else _MERGE_REGISTERS * 32 * cfg.num_warps
+def _merge_chunk(cfg: PagedAttentionConfig, head_padded: int, target: AttentionTarget, grid: int) -> int:
+    """Splits the in-launch merge of a `grid`-program launch reads at a time, a power of two: [block_m, chunk,
+    columns] fp32 in _MERGE_REGISTERS registers a thread on a GPU (_MERGE_REGISTERS_FULL_GRID past
+    _SPLIT_PROGRAMS_PER_SM programs per SM); under the interpreter (whose cost is per op, not per element) as many
+    as Triton's largest tile (2^20 elements) holds."""
+    if target.interpret:
+        elements = 1 << 20
+    elif grid > _SPLIT_PROGRAMS_PER_SM * target.num_sms:
+        elements = _MERGE_REGISTERS_FULL_GRID * 32 * cfg.num_warps
+    else:
+        elements = _MERGE_REGISTERS * 32 * cfg.num_warps
     columns = triton.next_power_of_2(cfg.kv_heads_per_program) * head_padded
     chunk = elements // (cfg.block_m * columns)
     return max(1, triton.next_power_of_2(chunk + 1) // 2)
