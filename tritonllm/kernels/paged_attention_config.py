@@ -116,8 +116,9 @@ _MIN_WAVES = 1.9
 # per layer inside a step's graph (`bench_attention.py --chain`): 8-split chunks in the launch beat 4-split
 # chunks by 3-25% and the merge launch at 8-32 splits by up to 9% (batch 1 at 1k-32k: 32 splits 9.3-41.2 us
 # against 10.2-42.4); at 64 splits the merge launch wins. The wide chunk costs the kernel its third resident
-# program per SM, so a grid of more than _SPLIT_PROGRAMS_PER_SM programs per SM merges with half of it (batch 8,
-# 5 splits: 320 programs, 45 -> 59 us at 4k with the wide one).
+# program per SM (Triton 3.6, sm_90: 192 registers a thread instead of 167), so a grid of more than
+# _SPLIT_PROGRAMS_PER_SM programs per SM merges with half of it (batch 8, 5 splits = 320 programs: 45 -> 59 us at
+# 4k with the wide one).
 _MERGE_IN_LAUNCH_MAX_SPLITS = 32
 _MERGE_REGISTERS = 128
 _MERGE_REGISTERS_FULL_GRID = 64
