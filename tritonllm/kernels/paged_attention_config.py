@@ -130,7 +130,7 @@ _INTERP_MAX_TILE_N = 1024
 _INTERP_MAX_COLS = 1024  # kv heads x padded head size packed into one program
 
 
-def choose_num_splits(num_programs: int, num_sms: int, max_seq_len: int, tile_n: int, merge_chunk: int = 8) -> int:
+def choose_num_splits(num_programs: int, num_sms: int, max_seq_len: int, tile_n: int, merge_chunk: int) -> int:
     """KV splits per sequence for a launch of `num_programs` = num_seqs * num_kv_heads unsplit programs.
 
     Split while the grid is short of _SPLIT_PROGRAMS_PER_SM programs per SM, or when it is between one and
@@ -187,17 +187,16 @@ def paged_attention_config(
     if max_query_len > cfg.block_q:
         # Query tiles of one sequence cannot share partial buffers: no split-KV.
         return _with_short_queries(cfg, target, queries_per_kv, head_padded, dtype, max_query_len)
+    programs = num_seqs * triton.cdiv(num_kv_heads, cfg.kv_heads_per_program)  # unsplit
     if num_splits is None and target.interpret:
         num_splits = 1
     elif num_splits is None:
-        programs = num_seqs * triton.cdiv(num_kv_heads, cfg.kv_heads_per_program)
         chunk = _merge_chunk(cfg, head_padded, target, programs)
         num_splits = choose_num_splits(programs, target.num_sms, max_seq_len, cfg.tile_n, chunk)
     if num_splits == 1:
         return _with_short_queries(cfg, target, queries_per_kv, head_padded, dtype, max_query_len)
     if target.interpret:
         cfg = _interpreter_config(*shape, num_splits=num_splits)  # shorter KV tiles, so each split gets some
-    grid = num_seqs * triton.cdiv(num_kv_heads, cfg.kv_heads_per_program) * num_splits
     # Partial elements per merge program: ~8K on a GPU (registers); up to 2^18 under the interpreter (few programs).
     budget = 1 << 18 if target.interpret else 8192
     merge_heads = triton.next_power_of_2(num_heads)
@@ -207,7 +206,9 @@ def paged_attention_config(
         num_splits=num_splits,
         merge_heads_per_program=merge_heads,
         merge_in_launch=num_splits <= _MERGE_IN_LAUNCH_MAX_SPLITS,
-        merge_chunk=min(_merge_chunk(cfg, head_padded, target, grid), triton.next_power_of_2(num_splits)),
+        merge_chunk=min(
+            _merge_chunk(cfg, head_padded, target, programs * num_splits), triton.next_power_of_2(num_splits)
+        ),
     )
 
 
