@@ -27,10 +27,17 @@ import triton.language as tl
 from tritonllm.kernels.arrival_counters import arrival_counters
 from tritonllm.kernels.quant_dense import dequantized_matmul
 from tritonllm.kernels.quant_dequant import gptq_dequantize_ref
-from tritonllm.kernels.quant_gemm_common import dequant_words, grouping, load_word_tile, store_output
+from tritonllm.kernels.quant_gemm_common import (
+    dequant_words,
+    group_params,
+    grouping,
+    load_word_tile,
+    store_output,
+)
 from tritonllm.kernels.quant_gemm_config import QuantGemmConfig, check_config, num_sms, quant_gemm_config
 from tritonllm.kernels.quant_gemv import _quant_gemv_kernel
-from tritonllm.platform import INTERPRET, check_kernel_device
+from tritonllm.kernels.quant_paired import dequant_words_paired
+from tritonllm.platform import INLINE_PTX, INTERPRET, check_kernel_device
 
 FUSED_GPTQ_BITS = (2, 4, 8)
 
@@ -71,6 +78,7 @@ def _quant_gemm_kernel(
     SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     INTERPRET: tl.constexpr,
+    PAIRED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -92,12 +100,6 @@ def _quant_gemm_kernel(
         offs_kw = k0 // PACK + tl.arange(0, KW)
         mask_kw = offs_kw < K // PACK
         words = load_word_tile(qweight_ptr, offs_kw, mask_kw, offs_n, mask_n, stride_qw_k, stride_qw_n)
-        # [PACK, KW, BLOCK_N] -> [KW, PACK, BLOCK_N] (a permutation of each thread's registers) -> B rows in K order.
-        w = dequant_words(
-            words, offs_kw, mask_kw, offs_n, mask_n, k0, K, qzeros_ptr, scales_ptr, stride_qz_g, stride_qz_n,
-            stride_s_g, stride_s_n, BITS, GROUP_SIZE, ZERO_OFFSET, GROUPS,
-        )  # fmt: skip
-        w = tl.reshape(tl.permute(w, (1, 0, 2)), (BLOCK_K, BLOCK_N))
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < K
         cols = offs_k
@@ -108,14 +110,39 @@ def _quant_gemm_kernel(
             mask=mask_m[:, None] & mask_k[None, :],
             other=0.0,
         )
+        if PAIRED:
+            words = tl.reshape(words, (KW, BLOCK_N))
+            if GROUPS == "tile":  # the scale multiplies the tile's product (below)
+                z, s = group_params(
+                    qzeros_ptr, scales_ptr, k0 // GROUP_SIZE, mask_n, offs_n, stride_qz_g, stride_qz_n, stride_s_g,
+                    stride_s_n, BITS, ZERO_OFFSET,
+                )  # fmt: skip
+                w = dequant_words_paired(words, z[None, :], x.dtype == tl.bfloat16, INTERPRET)
+            else:  # groups of whole words: (q - z) * s rounded once to x's dtype, as the reference rounds
+                z, s = group_params(
+                    qzeros_ptr, scales_ptr, (offs_kw * PACK // GROUP_SIZE)[:, None], mask_kw[:, None] & mask_n[None, :],
+                    offs_n[None, :], stride_qz_g, stride_qz_n, stride_s_g, stride_s_n, BITS, ZERO_OFFSET,
+                )  # fmt: skip
+                w = tl.reshape(dequant_words_paired(words, z, x.dtype == tl.bfloat16, INTERPRET), (KW, PACK, BLOCK_N))
+                w = tl.reshape(w.to(tl.float32) * s[:, None, :], (BLOCK_K, BLOCK_N))
+        else:
+            # [PACK, KW, BLOCK_N] -> [KW, PACK, BLOCK_N] (a permutation of each thread's registers) -> B in K order.
+            w = dequant_words(
+                words, offs_kw, mask_kw, offs_n, mask_n, k0, K, qzeros_ptr, scales_ptr, stride_qz_g, stride_qz_n,
+                stride_s_g, stride_s_n, BITS, GROUP_SIZE, ZERO_OFFSET, GROUPS,
+            )  # fmt: skip
+            w = tl.reshape(tl.permute(w, (1, 0, 2)), (BLOCK_K, BLOCK_N))
         a = x
         b = w.to(x.dtype)
         if INTERPRET:
             if x.dtype == tl.bfloat16:
                 # bf16 tl.dot is wrong under the interpreter; fp32 operands compute the same product.
                 a = x.to(tl.float32)
-                b = w
-        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+                b = w.to(tl.float32)
+        if PAIRED and GROUPS == "tile":
+            acc += tl.dot(a, b, input_precision=DOT_PRECISION) * s[None, :]
+        else:
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
 
     store_output(
         acc, offs_m, offs_n, pid_m * tl.num_programs(1) + pid_n, pid_s, M, N, split_k, stride_p_s, bias_ptr, out_ptr,
@@ -181,11 +208,12 @@ def _launch(x, qweight, qzeros, scales, perm, bias, n, bits, group_size, zero_of
         out.stride(0),
         out.stride(1),
     )
+    groups = grouping(group, k, bits, cfg.block_k)
     common = dict(
         BITS=bits,
         GROUP_SIZE=group,
         ZERO_OFFSET=zero_offset,
-        GROUPS=grouping(group, k, bits, cfg.block_k),
+        GROUPS=groups,
         HAS_PERM=perm is not None,
         HAS_BIAS=bias is not None,
         SPLIT=split_k > 1,
@@ -198,8 +226,9 @@ def _launch(x, qweight, qzeros, scales, perm, bias, n, bits, group_size, zero_of
         _quant_gemv_kernel[grid](*args, PREFETCH=cfg.num_stages > 1, **common)
     else:
         precision = "ieee" if x.dtype == torch.float32 else "tf32"
+        paired = cfg.paired and bits == 4 and x.dtype != torch.float32 and groups != "row" and INLINE_PTX
         _quant_gemm_kernel[grid](
-            *args, DOT_PRECISION=precision, INTERPRET=INTERPRET, BLOCK_M=cfg.block_m, **common
+            *args, DOT_PRECISION=precision, INTERPRET=INTERPRET, PAIRED=paired, BLOCK_M=cfg.block_m, **common
         )  # fmt: skip
     return out.reshape(*lead, n)
 

@@ -1,0 +1,112 @@
+"""4-bit weights to 16-bit floats two values per instruction, for the tl.dot W4A16 kernel (quant_gemm.py).
+
+A 4-bit field OR-ed into the low mantissa bits of a power of two reads as that power plus the field: fp16 1024
+(0x6400) has a spacing of 1 up to 2048, bf16 128 (0x4300) up to 256. Masking both 16-bit halves of a word at once
+(one LOP3) gives two such floats, and one paired FMA (t * scale + bias, bias = -(power + z)) leaves q - z, a small
+integer, exactly. In GPTQ order value p sits at bits 4p, so the halves hold values j and j + 4 at the same offset:
+    bf16: shift the word right by 4j, mask 0x000F000F (the field must stay below the exponent's lowest bit);
+    fp16: shift right by 8 (j // 2), mask 0x000F000F, or for odd j 0x00F000F0, which reads 1024 + 16q: scaled by
+          1/16 it is 64 + q, so the bias is -(64 + z).
+Against the fp32 route (per value a LOP3, an FADD, an FMUL and half an F2FP) this takes about 1.4 instructions per
+value; the scale multiplies the MMA's fp32 result once per K tile instead (one group per tile) or the 16-bit
+values (q - z exact, times s rounded once, the reference's rounding).
+
+The PTX runs compiled on NVIDIA GPUs. Triton's interpreter has no inline assembly: there `_emulate` performs the
+same bit operations on the same constants with integer and fp32 arithmetic, so the CPU tests check the constants,
+the pairing and the value order, and the compiled tests check the PTX.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.constexpr_function
+def pair_spec(j, bf16):
+    """How values j and j + 4 of a word become q - z as two 16-bit floats, as 16-bit patterns (one half each):
+    shift the word right by `shift`, keep `mask`, OR in `magic`, then t * `scale` + (`bias` + z * `bias_step`)."""
+    if bf16:
+        return dict(shift=4 * j, mask=0x000F, magic=0x4300, scale=0x3F80, bias=0xC300, bias_step=1)
+    if j % 2 == 0:
+        return dict(shift=8 * (j // 2), mask=0x000F, magic=0x6400, scale=0x3C00, bias=0xE400, bias_step=1)
+    return dict(shift=8 * (j // 2), mask=0x00F0, magic=0x6400, scale=0x2C00, bias=0xD400, bias_step=16)
+
+
+@triton.constexpr_function
+def pair_ptx(j, bf16):
+    """$0, $1: values j and j + 4 minus z (16-bit floats); $2: the word; $3: the bias in both halves."""
+    spec = pair_spec(j, bf16)
+    both = {name: spec[name] | spec[name] << 16 for name in ("mask", "magic", "scale")}
+    body = []
+    src = "$2"
+    if spec["shift"]:
+        body.append(f"shr.u32 t, $2, {spec['shift']};")
+        src = "t"
+    body += [
+        f"lop3.b32 t, {src}, {both['mask']:#010x}, {both['magic']:#010x}, 0xea;",  # (a & b) | c
+        f"mov.b32 c, {both['scale']:#010x};",
+        f"fma.rn.{'bf16x2' if bf16 else 'f16x2'} t, t, c, $3;",
+        "mov.b32 {$0, $1}, t;",
+    ]
+    return "{ .reg .b32 t, c; " + " ".join(body) + " }"
+
+
+@triton.constexpr_function
+def _field(j, bf16, name):
+    return pair_spec(j, bf16)[name]
+
+
+@triton.jit
+def _half_to_f32(bits, BF16: tl.constexpr):
+    """The value of 16-bit float patterns (int32, normal numbers only) as fp32, by integer operations."""
+    if BF16:
+        f = (bits << 16).to(tl.float32, bitcast=True)
+    else:
+        exponent = ((bits >> 10) & 0x1F) - 15 + 127
+        f = (((bits & 0x8000) << 16) | (exponent << 23) | ((bits & 0x3FF) << 13)).to(tl.float32, bitcast=True)
+    return f
+
+
+@triton.jit
+def _emulate(words, bias, j: tl.constexpr, BF16: tl.constexpr):
+    """`pair_ptx`'s operations for the interpreter: the shift, the LOP3 and the FMA per half, in fp32 (exact here)."""
+    mask: tl.constexpr = _field(j, BF16, "mask")
+    magic: tl.constexpr = _field(j, BF16, "magic")
+    t = ((words >> _field(j, BF16, "shift")) & (mask | (mask << 16))) | (magic | (magic << 16))
+    scale = _half_to_f32(tl.full([1], _field(j, BF16, "scale"), tl.int32), BF16)
+    b = _half_to_f32(bias & 0xFFFF, BF16)
+    lo = _half_to_f32(t & 0xFFFF, BF16) * scale + b
+    hi = _half_to_f32((t >> 16) & 0xFFFF, BF16) * scale + b
+    if BF16:
+        out = lo.to(tl.bfloat16), hi.to(tl.bfloat16)
+    else:
+        out = lo.to(tl.float16), hi.to(tl.float16)
+    return out
+
+
+@triton.jit
+def dequant_pair(words, z, j: tl.constexpr, BF16: tl.constexpr, EMULATE: tl.constexpr):
+    """(value j - z, value j + 4 - z) of 4-bit words (int32, GPTQ order) as fp16 (bf16 when BF16), exact; z: the
+    int32 zeros, broadcast against the words. EMULATE: without inline assembly (Triton's interpreter)."""
+    bias = _field(j, BF16, "bias") + z * _field(j, BF16, "bias_step")
+    bias = bias | (bias << 16)
+    if EMULATE:
+        out = _emulate(words, bias, j, BF16)
+    elif BF16:
+        out = tl.inline_asm_elementwise(pair_ptx(j, BF16), "=h,=h,r,r", [words, bias], (tl.bfloat16, tl.bfloat16), True, 1)
+    else:
+        out = tl.inline_asm_elementwise(pair_ptx(j, BF16), "=h,=h,r,r", [words, bias], (tl.float16, tl.float16), True, 1)
+    return out
+
+
+@triton.jit
+def dequant_words_paired(words, z, BF16: tl.constexpr, EMULATE: tl.constexpr):
+    """q - z of every value of 4-bit words [KW, BLOCK_N] as fp16 (bf16 when BF16), exact, as [KW * 8, BLOCK_N] in K
+    order (value p of word row r is row r * 8 + p); z: int32 zeros broadcast against the words."""
+    v0, v4 = dequant_pair(words, z, 0, BF16, EMULATE)
+    v1, v5 = dequant_pair(words, z, 1, BF16, EMULATE)
+    v2, v6 = dequant_pair(words, z, 2, BF16, EMULATE)
+    v3, v7 = dequant_pair(words, z, 3, BF16, EMULATE)
+    # join stacks on a new last axis: [KW, BLOCK_N, 2 (p & 1), 2 (p >> 1 & 1), 2 (p >> 2)]
+    w = tl.join(tl.join(tl.join(v0, v1), tl.join(v2, v3)), tl.join(tl.join(v4, v5), tl.join(v6, v7)))
+    w = tl.permute(w, (0, 4, 3, 2, 1))
+    return tl.reshape(w, (w.shape[0] * 8, w.shape[4]))
