@@ -108,5 +108,20 @@ def dequant_words_paired(words, z, BF16: tl.constexpr, EMULATE: tl.constexpr):
     v3, v7 = dequant_pair(words, z, 3, BF16, EMULATE)
     # join stacks on a new last axis: [KW, BLOCK_N, 2 (p & 1), 2 (p >> 1 & 1), 2 (p >> 2)]
     w = tl.join(tl.join(tl.join(v0, v1), tl.join(v2, v3)), tl.join(tl.join(v4, v5), tl.join(v6, v7)))
-    w = tl.permute(w, (0, 4, 3, 2, 1))
-    return tl.reshape(w, (w.shape[0] * 8, w.shape[4]))
+    w = tl.reshape(tl.permute(w, (0, 4, 3, 2, 1)), (w.shape[0] * 8, w.shape[1]))
+    if not EMULATE:
+        w = _opaque(w, BF16)
+    return w
+
+
+@triton.jit
+def _opaque(w, BF16: tl.constexpr):
+    """w itself, through an asm block with side effects. Triton picks the MMA operand layout (kWidth) from the
+    narrowest type it finds walking back from a tl.dot operand, and halves it for every tl.join on the way: the joins
+    above would give x and w 8-bit-style operand layouts (no ldmatrix, 2x slower on the H200, Triton 3.6). The walk
+    stops at an op with side effects; ptxas drops the move."""
+    if BF16:
+        out = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [w], tl.bfloat16, False, 2)
+    else:
+        out = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [w], tl.float16, False, 2)
+    return out
