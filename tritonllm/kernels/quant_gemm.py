@@ -20,6 +20,8 @@ The two kernels split K when the (M, N) tiles alone cannot fill the GPU, the spl
 by the last program of each tile (quant_gemm_common.py): deterministic, no second kernel.
 """
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -79,6 +81,7 @@ def _quant_gemm_kernel(
     DOT_PRECISION: tl.constexpr,
     INTERPRET: tl.constexpr,
     PAIRED: tl.constexpr,
+    SCALE_LATE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -94,6 +97,10 @@ def _quant_gemm_kernel(
     mask_n = offs_n < N
     offs_m64 = offs_m.to(tl.int64)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # PAIRED, one group per tile: each tile's product of x and (q - z) is scaled one iteration later, when its MMAs
+    # have long finished (scaling it at once would stall every iteration on the MMA chain).
+    product = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    product_scale = tl.zeros((BLOCK_N,), dtype=tl.float32)
     k_start = pid_s * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     for k0 in range(k_start, k_end, BLOCK_K):
@@ -112,19 +119,20 @@ def _quant_gemm_kernel(
         )
         if PAIRED:
             words = tl.reshape(words, (KW, BLOCK_N))
-            if GROUPS == "tile":  # the scale multiplies the tile's product (below)
+            if GROUPS == "tile":
                 z, s = group_params(
                     qzeros_ptr, scales_ptr, k0 // GROUP_SIZE, mask_n, offs_n, stride_qz_g, stride_qz_n, stride_s_g,
                     stride_s_n, BITS, ZERO_OFFSET,
                 )  # fmt: skip
-                w = dequant_words_paired(words, z[None, :], x.dtype == tl.bfloat16, INTERPRET)
-            else:  # groups of whole words: (q - z) * s rounded once to x's dtype, as the reference rounds
+                z = z[None, :]
+                s = s[None, :]
+            else:
                 z, s = group_params(
                     qzeros_ptr, scales_ptr, (offs_kw * PACK // GROUP_SIZE)[:, None], mask_kw[:, None] & mask_n[None, :],
                     offs_n[None, :], stride_qz_g, stride_qz_n, stride_s_g, stride_s_n, BITS, ZERO_OFFSET,
                 )  # fmt: skip
-                w = tl.reshape(dequant_words_paired(words, z, x.dtype == tl.bfloat16, INTERPRET), (KW, PACK, BLOCK_N))
-                w = tl.reshape(w.to(tl.float32) * s[:, None, :], (BLOCK_K, BLOCK_N))
+            # SCALE_LATE: the scale multiplies the tile's product (one group per tile), else each weight pair
+            w = dequant_words_paired(words, z, s.to(x.dtype), x.dtype == tl.bfloat16, not SCALE_LATE, INTERPRET)
         else:
             # [PACK, KW, BLOCK_N] -> [KW, PACK, BLOCK_N] (a permutation of each thread's registers) -> B in K order.
             w = dequant_words(
@@ -139,10 +147,15 @@ def _quant_gemm_kernel(
                 # bf16 tl.dot is wrong under the interpreter; fp32 operands compute the same product.
                 a = x.to(tl.float32)
                 b = w.to(tl.float32)
-        if PAIRED and GROUPS == "tile":
-            acc += tl.dot(a, b, input_precision=DOT_PRECISION) * s[None, :]
+        if SCALE_LATE:
+            tile_product = tl.dot(a, b, input_precision=DOT_PRECISION)
+            acc += product * product_scale[None, :]
+            product = tile_product
+            product_scale = tl.reshape(s, (BLOCK_N,))
         else:
             acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+    if SCALE_LATE:
+        acc += product * product_scale[None, :]
 
     store_output(
         acc, offs_m, offs_n, pid_m * tl.num_programs(1) + pid_n, pid_s, M, N, split_k, stride_p_s, bias_ptr, out_ptr,
@@ -227,8 +240,10 @@ def _launch(x, qweight, qzeros, scales, perm, bias, n, bits, group_size, zero_of
     else:
         precision = "ieee" if x.dtype == torch.float32 else "tf32"
         paired = cfg.paired and bits == 4 and x.dtype != torch.float32 and groups != "row" and INLINE_PTX
+        late = paired and groups == "tile" and os.environ.get("TRITONLLM_SCALE_LATE", "1") == "1"
         _quant_gemm_kernel[grid](
-            *args, DOT_PRECISION=precision, INTERPRET=INTERPRET, PAIRED=paired, BLOCK_M=cfg.block_m, **common
+            *args, DOT_PRECISION=precision, INTERPRET=INTERPRET, PAIRED=paired, SCALE_LATE=late, BLOCK_M=cfg.block_m,
+            **common,
         )  # fmt: skip
     return out.reshape(*lead, n)
 

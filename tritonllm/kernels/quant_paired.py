@@ -32,10 +32,12 @@ def pair_spec(j, bf16):
 
 
 @triton.constexpr_function
-def pair_ptx(j, bf16):
-    """$0, $1: values j and j + 4 minus z (16-bit floats); $2: the word; $3: the bias in both halves."""
+def pair_ptx(j, bf16, scaled):
+    """$0, $1: values j and j + 4 minus z (16-bit floats), times $4 when `scaled`; $2: the word; $3: the bias and
+    $4 the scale in both halves."""
     spec = pair_spec(j, bf16)
     both = {name: spec[name] | spec[name] << 16 for name in ("mask", "magic", "scale")}
+    pairs = "bf16x2" if bf16 else "f16x2"
     body = []
     src = "$2"
     if spec["shift"]:
@@ -44,9 +46,11 @@ def pair_ptx(j, bf16):
     body += [
         f"lop3.b32 t, {src}, {both['mask']:#010x}, {both['magic']:#010x}, 0xea;",  # (a & b) | c
         f"mov.b32 c, {both['scale']:#010x};",
-        f"fma.rn.{'bf16x2' if bf16 else 'f16x2'} t, t, c, $3;",
-        "mov.b32 {$0, $1}, t;",
+        f"fma.rn.{pairs} t, t, c, $3;",
     ]
+    if scaled:  # (q - z) * s, rounded once; bf16 has no paired multiply before sm_90: an FMA with -0
+        body += ["mov.b32 c, 0x80008000;", f"fma.rn.{pairs} t, t, $4, c;"]
+    body.append("mov.b32 {$0, $1}, t;")
     return "{ .reg .b32 t, c; " + " ".join(body) + " }"
 
 
@@ -67,8 +71,9 @@ def _half_to_f32(bits, BF16: tl.constexpr):
 
 
 @triton.jit
-def _emulate(words, bias, j: tl.constexpr, BF16: tl.constexpr):
-    """`pair_ptx`'s operations for the interpreter: the shift, the LOP3 and the FMA per half, in fp32 (exact here)."""
+def _emulate(words, bias, s, j: tl.constexpr, BF16: tl.constexpr, SCALED: tl.constexpr):
+    """`pair_ptx`'s operations for the interpreter: the shift, the LOP3 and the FMA per half, and the scale, in fp32
+    (exact until the one rounding at the end, as the paired FMAs round)."""
     mask: tl.constexpr = _field(j, BF16, "mask")
     magic: tl.constexpr = _field(j, BF16, "magic")
     t = ((words >> _field(j, BF16, "shift")) & (mask | (mask << 16))) | (magic | (magic << 16))
@@ -76,6 +81,9 @@ def _emulate(words, bias, j: tl.constexpr, BF16: tl.constexpr):
     b = _half_to_f32(bias & 0xFFFF, BF16)
     lo = _half_to_f32(t & 0xFFFF, BF16) * scale + b
     hi = _half_to_f32((t >> 16) & 0xFFFF, BF16) * scale + b
+    if SCALED:
+        lo = lo * s.to(tl.float32)
+        hi = hi * s.to(tl.float32)
     if BF16:
         out = lo.to(tl.bfloat16), hi.to(tl.bfloat16)
     else:
@@ -84,28 +92,37 @@ def _emulate(words, bias, j: tl.constexpr, BF16: tl.constexpr):
 
 
 @triton.jit
-def dequant_pair(words, z, j: tl.constexpr, BF16: tl.constexpr, EMULATE: tl.constexpr):
-    """(value j - z, value j + 4 - z) of 4-bit words (int32, GPTQ order) as fp16 (bf16 when BF16), exact; z: the
-    int32 zeros, broadcast against the words. EMULATE: without inline assembly (Triton's interpreter)."""
+def dequant_pair(words, z, s, j: tl.constexpr, BF16: tl.constexpr, SCALED: tl.constexpr, EMULATE: tl.constexpr):
+    """(value j - z, value j + 4 - z) of 4-bit words (int32, GPTQ order) as fp16 (bf16 when BF16), exact, or times
+    the scales s (in the same dtype) rounded once when SCALED; z: int32 zeros, z and s broadcast against the words.
+    EMULATE: without inline assembly (Triton's interpreter)."""
     bias = _field(j, BF16, "bias") + z * _field(j, BF16, "bias_step")
     bias = bias | (bias << 16)
     if EMULATE:
-        out = _emulate(words, bias, j, BF16)
-    elif BF16:
-        out = tl.inline_asm_elementwise(pair_ptx(j, BF16), "=h,=h,r,r", [words, bias], (tl.bfloat16, tl.bfloat16), True, 1)
+        out = _emulate(words, bias, s, j, BF16, SCALED)
     else:
-        out = tl.inline_asm_elementwise(pair_ptx(j, BF16), "=h,=h,r,r", [words, bias], (tl.float16, tl.float16), True, 1)
+        if SCALED:
+            s_bits = s.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+            s_bits = s_bits | (s_bits << 16)
+        else:
+            s_bits = bias
+        asm: tl.constexpr = pair_ptx(j, BF16, SCALED)
+        if BF16:
+            out = tl.inline_asm_elementwise(asm, "=h,=h,r,r,r", [words, bias, s_bits], (tl.bfloat16, tl.bfloat16), True, 1)
+        else:
+            out = tl.inline_asm_elementwise(asm, "=h,=h,r,r,r", [words, bias, s_bits], (tl.float16, tl.float16), True, 1)
     return out
 
 
 @triton.jit
-def dequant_words_paired(words, z, BF16: tl.constexpr, EMULATE: tl.constexpr):
-    """q - z of every value of 4-bit words [KW, BLOCK_N] as fp16 (bf16 when BF16), exact, as [KW * 8, BLOCK_N] in K
-    order (value p of word row r is row r * 8 + p); z: int32 zeros broadcast against the words."""
-    v0, v4 = dequant_pair(words, z, 0, BF16, EMULATE)
-    v1, v5 = dequant_pair(words, z, 1, BF16, EMULATE)
-    v2, v6 = dequant_pair(words, z, 2, BF16, EMULATE)
-    v3, v7 = dequant_pair(words, z, 3, BF16, EMULATE)
+def dequant_words_paired(words, z, s, BF16: tl.constexpr, SCALED: tl.constexpr, EMULATE: tl.constexpr):
+    """Every value of 4-bit words [KW, BLOCK_N] as q - z (or (q - z) * s when SCALED) in fp16 (bf16 when BF16), as
+    [KW * 8, BLOCK_N] in K order (value p of word row r is row r * 8 + p); z (int32) and s (16-bit floats)
+    broadcast against the words."""
+    v0, v4 = dequant_pair(words, z, s, 0, BF16, SCALED, EMULATE)
+    v1, v5 = dequant_pair(words, z, s, 1, BF16, SCALED, EMULATE)
+    v2, v6 = dequant_pair(words, z, s, 2, BF16, SCALED, EMULATE)
+    v3, v7 = dequant_pair(words, z, s, 3, BF16, SCALED, EMULATE)
     # join stacks on a new last axis: [KW, BLOCK_N, 2 (p & 1), 2 (p >> 1 & 1), 2 (p >> 2)]
     w = tl.join(tl.join(tl.join(v0, v1), tl.join(v2, v3)), tl.join(tl.join(v4, v5), tl.join(v6, v7)))
     w = tl.reshape(tl.permute(w, (0, 4, 3, 2, 1)), (w.shape[0] * 8, w.shape[1]))
