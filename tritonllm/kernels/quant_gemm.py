@@ -20,8 +20,6 @@ The two kernels split K when the (M, N) tiles alone cannot fill the GPU, the spl
 by the last program of each tile (quant_gemm_common.py): deterministic, no second kernel.
 """
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -38,7 +36,7 @@ from tritonllm.kernels.quant_gemm_common import (
 )
 from tritonllm.kernels.quant_gemm_config import QuantGemmConfig, check_config, num_sms, quant_gemm_config
 from tritonllm.kernels.quant_gemv import _quant_gemv_kernel
-from tritonllm.kernels.quant_paired import dequant_words_paired
+from tritonllm.kernels.quant_paired import dequant_columns
 from tritonllm.platform import INLINE_PTX, INTERPRET, check_kernel_device
 
 FUSED_GPTQ_BITS = (2, 4, 8)
@@ -81,7 +79,6 @@ def _quant_gemm_kernel(
     DOT_PRECISION: tl.constexpr,
     INTERPRET: tl.constexpr,
     PAIRED: tl.constexpr,
-    SCALE_LATE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -117,22 +114,35 @@ def _quant_gemm_kernel(
             mask=mask_m[:, None] & mask_k[None, :],
             other=0.0,
         )
-        if PAIRED:
+        if PAIRED:  # one group per tile, BLOCK_K >= 128: a dot per value position p of the words (K rows r*8+p)
             words = tl.reshape(words, (KW, BLOCK_N))
-            if GROUPS == "tile":
-                z, s = group_params(
-                    qzeros_ptr, scales_ptr, k0 // GROUP_SIZE, mask_n, offs_n, stride_qz_g, stride_qz_n, stride_s_g,
-                    stride_s_n, BITS, ZERO_OFFSET,
-                )  # fmt: skip
-                z = z[None, :]
-                s = s[None, :]
-            else:
-                z, s = group_params(
-                    qzeros_ptr, scales_ptr, (offs_kw * PACK // GROUP_SIZE)[:, None], mask_kw[:, None] & mask_n[None, :],
-                    offs_n[None, :], stride_qz_g, stride_qz_n, stride_s_g, stride_s_n, BITS, ZERO_OFFSET,
-                )  # fmt: skip
-            # SCALE_LATE: the scale multiplies the tile's product (one group per tile), else each weight pair
-            w = dequant_words_paired(words, z, s.to(x.dtype), x.dtype == tl.bfloat16, not SCALE_LATE, INTERPRET)
+            z, s = group_params(
+                qzeros_ptr, scales_ptr, k0 // GROUP_SIZE, mask_n, offs_n, stride_qz_g, stride_qz_n, stride_s_g,
+                stride_s_n, BITS, ZERO_OFFSET,
+            )  # fmt: skip
+            w0, w1, w2, w3, w4, w5, w6, w7 = dequant_columns(words, z[None, :], x.dtype == tl.bfloat16, INTERPRET)
+            xa = x
+            if INTERPRET:  # bf16 tl.dot is wrong under the interpreter; fp32 operands compute the same product
+                xa = x.to(tl.float32)
+            x_c0, x_c1 = tl.split(tl.reshape(xa, (BLOCK_M, KW, 2, 2, 2)))  # p = 4a + 2b + c
+            x0, x2 = tl.split(x_c0)
+            x1, x3 = tl.split(x_c1)
+            x0, x4 = tl.split(x0)
+            x2, x6 = tl.split(x2)
+            x1, x5 = tl.split(x1)
+            x3, x7 = tl.split(x3)
+            t = tl.dot(x0, w0.to(xa.dtype))
+            t = tl.dot(x1, w1.to(xa.dtype), t)
+            t = tl.dot(x2, w2.to(xa.dtype), t)
+            t = tl.dot(x3, w3.to(xa.dtype), t)
+            t = tl.dot(x4, w4.to(xa.dtype), t)
+            t = tl.dot(x5, w5.to(xa.dtype), t)
+            t = tl.dot(x6, w6.to(xa.dtype), t)
+            t = tl.dot(x7, w7.to(xa.dtype), t)
+            # the product is scaled one iteration later, when its MMAs have long finished
+            acc += product * product_scale[None, :]
+            product = t
+            product_scale = s
         else:
             # [PACK, KW, BLOCK_N] -> [KW, PACK, BLOCK_N] (a permutation of each thread's registers) -> B in K order.
             w = dequant_words(
@@ -140,21 +150,15 @@ def _quant_gemm_kernel(
                 stride_s_g, stride_s_n, BITS, GROUP_SIZE, ZERO_OFFSET, GROUPS,
             )  # fmt: skip
             w = tl.reshape(tl.permute(w, (1, 0, 2)), (BLOCK_K, BLOCK_N))
-        a = x
-        b = w.to(x.dtype)
-        if INTERPRET:
-            if x.dtype == tl.bfloat16:
-                # bf16 tl.dot is wrong under the interpreter; fp32 operands compute the same product.
-                a = x.to(tl.float32)
-                b = w.to(tl.float32)
-        if SCALE_LATE:
-            tile_product = tl.dot(a, b, input_precision=DOT_PRECISION)
-            acc += product * product_scale[None, :]
-            product = tile_product
-            product_scale = tl.reshape(s, (BLOCK_N,))
-        else:
+            a = x
+            b = w.to(x.dtype)
+            if INTERPRET:
+                if x.dtype == tl.bfloat16:
+                    # bf16 tl.dot is wrong under the interpreter; fp32 operands compute the same product.
+                    a = x.to(tl.float32)
+                    b = w
             acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-    if SCALE_LATE:
+    if PAIRED:
         acc += product * product_scale[None, :]
 
     store_output(
@@ -239,11 +243,10 @@ def _launch(x, qweight, qzeros, scales, perm, bias, n, bits, group_size, zero_of
         _quant_gemv_kernel[grid](*args, PREFETCH=cfg.num_stages > 1, **common)
     else:
         precision = "ieee" if x.dtype == torch.float32 else "tf32"
-        paired = cfg.paired and bits == 4 and x.dtype != torch.float32 and groups != "row" and INLINE_PTX
-        late = paired and groups == "tile" and os.environ.get("TRITONLLM_SCALE_LATE", "1") == "1"
+        paired = cfg.paired and bits == 4 and x.dtype != torch.float32 and groups == "tile" and cfg.block_k >= 128
+        paired = paired and INLINE_PTX
         _quant_gemm_kernel[grid](
-            *args, DOT_PRECISION=precision, INTERPRET=INTERPRET, PAIRED=paired, SCALE_LATE=late, BLOCK_M=cfg.block_m,
-            **common,
+            *args, DOT_PRECISION=precision, INTERPRET=INTERPRET, PAIRED=paired, BLOCK_M=cfg.block_m, **common
         )  # fmt: skip
     return out.reshape(*lead, n)
 

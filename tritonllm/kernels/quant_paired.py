@@ -142,3 +142,55 @@ def _opaque(w, BF16: tl.constexpr):
     else:
         out = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [w], tl.float16, False, 2)
     return out
+
+
+@triton.constexpr_function
+def columns_ptx(bf16):
+    """Pack 2 (two neighbouring columns' words per call): $0..$7 value p - z of both words as one pair each
+    (column n low, column n + 1 high); $8, $9 the words; $10, $11 their bias for even pairs, $12, $13 for odd ones.
+    The words' low halves (values 0-3) and high halves (values 4-7) are first gathered into one register each."""
+    pairs = "bf16x2" if bf16 else "f16x2"
+    body = ["prmt.b32 lo, $8, $9, 0x5410;", "prmt.b32 hi, $8, $9, 0x7632;"]
+    body += ["prmt.b32 b0, $10, $11, 0x5410;", "prmt.b32 b1, $12, $13, 0x5410;"]
+    body += [f"mov.b32 c0, {pair_spec(0, bf16)['scale'] * 0x10001:#010x};"]
+    body += [f"mov.b32 c1, {pair_spec(1, bf16)['scale'] * 0x10001:#010x};"]
+    for p in range(8):
+        spec = pair_spec(p % 4, bf16)
+        src = "lo" if p < 4 else "hi"
+        if spec["shift"]:
+            body.append(f"shr.u32 t, {src}, {spec['shift']};")
+            src = "t"
+        odd = p % 2 if not bf16 else 0
+        body += [
+            f"lop3.b32 t, {src}, {spec['mask'] * 0x10001:#010x}, {spec['magic'] * 0x10001:#010x}, 0xea;",
+            f"fma.rn.{pairs} ${p}, t, c{odd}, b{odd};",
+        ]
+    return "{ .reg .b32 lo, hi, t, b0, b1, c0, c1; " + " ".join(body) + " }"
+
+
+@triton.jit
+def dequant_columns(words, z, BF16: tl.constexpr, EMULATE: tl.constexpr):
+    """The 8 values of 4-bit words [KW, BLOCK_N] (int32, GPTQ order) minus z (int32, broadcast), exactly, as 8
+    tensors [KW, BLOCK_N] of fp16 (bf16 when BF16), value p of each word in the p-th. Neighbouring columns come out
+    paired in one register, the layout the MMA's B tile is stored in."""
+    even = _field(0, BF16, "bias") + z * _field(0, BF16, "bias_step")
+    odd = _field(1, BF16, "bias") + z * _field(1, BF16, "bias_step")
+    if EMULATE:
+        v0, v4 = _emulate(words, even | (even << 16), z, 0, BF16, False)
+        v1, v5 = _emulate(words, odd | (odd << 16), z, 1, BF16, False)
+        v2, v6 = _emulate(words, even | (even << 16), z, 2, BF16, False)
+        v3, v7 = _emulate(words, odd | (odd << 16), z, 3, BF16, False)
+    else:
+        even = even + words * 0  # bias per element: broadcast to the words' shape, packed two columns at a time
+        odd = odd + words * 0
+        if BF16:
+            v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
+                columns_ptx(BF16), "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r", [words, even, odd],
+                (tl.bfloat16,) * 8, True, 2,
+            )  # fmt: skip
+        else:
+            v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
+                columns_ptx(BF16), "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r", [words, even, odd],
+                (tl.float16,) * 8, True, 2,
+            )  # fmt: skip
+    return v0, v1, v2, v3, v4, v5, v6, v7
