@@ -5,8 +5,7 @@
 
 Shapes are Llama-3.1-8B's projections (K, N); M runs from decode (1) to prefill. The default run prints, per
 shape and M, microseconds per call of the dense matmul (cuBLAS), the W4A16 GEMM's default launch (GPTQ layout with
-regular groups: what GPTQ and repacked AWQ checkpoints run), its tl.dot kernel (the 16-row launch at M = 1; once
-with the weights paired into 16-bit floats, once through fp32), GPTQ act-order, dequantize + matmul
+regular groups: what GPTQ and repacked AWQ checkpoints run), its tl.dot kernel, GPTQ act-order, dequantize + matmul
 (the many-rows path) and the general dequantize kernel + matmul; dense / W4A16 (the targets:
 >= 3x at M <= 16, >= 1x at M = 128), the packed-weight bandwidth and TFLOP/s; and the one-time AWQ repack per
 shape. Each call is timed as a model step runs it: CUDA graph replays over copies of the weights that together
@@ -76,14 +75,13 @@ def _tensors(k: int, n: int, group_size: int, device: str):
 FUSED_LARGE = QuantGemmConfig(128, 128, 64, 1, 8, 3)
 
 
-def _calls(x, perm, g, cfg, dot):
+def _calls(x, perm, g, cfg):
     """Per column, the call on one weight copy: a dense W^T for "dense", else the packed (qweight, qzeros, scales)."""
-    unpaired = dataclasses.replace(dot, paired=False)
+    dot = FUSED_LARGE if cfg.dequant else cfg
     return {
         "dense": lambda w: x @ w,
         "w4a16": lambda t: gptq_gemm(x, *t, 4, g, 0),
         "dot": lambda t: gptq_gemm(x, *t, 4, g, 0, config=dot),
-        "dot_fp32": lambda t: gptq_gemm(x, *t, 4, g, 0, config=unpaired),
         "act_order": lambda t: gptq_gemm(x, *t, 4, g, 0, perm),
         "deq_mm": lambda t: gptq_gemm(x, *t, 4, g, 0, config=DEQUANT_CONFIG),
         "deq_mm_general": lambda t: x @ gptq_dequantize(*t, None, 4, g, 0, dtype=x.dtype),
@@ -108,12 +106,9 @@ def run_default(shapes, batches, dtype: torch.dtype, g: int, sms: int, device: t
         for m in batches:
             x = torch.randn(m, k, device=device, dtype=dtype)
             cfg = quant_gemm_config(m, n, k, 4, sms)
-            # the tl.dot kernel: the default launch, the 16-row one where that is the GEMV, a 128-row tile where it
-            # is dequantize + matmul
-            dot = FUSED_LARGE if cfg.dequant else quant_gemm_config(16, n, k, 4, sms) if cfg.gemv else cfg
             us = {
                 key: stream_us(fn, dense if key == "dense" else packed, device)
-                for key, fn in _calls(x, perm, g, cfg, dot).items()
+                for key, fn in _calls(x, perm, g, cfg).items()
             }
             r = {
                 "shape": name,
@@ -127,16 +122,14 @@ def run_default(shapes, batches, dtype: torch.dtype, g: int, sms: int, device: t
             }
             results.append(r)
             rows.append(
-                [name, m, us["dense"], us["w4a16"], us["dot"], us["dot_fp32"], us["act_order"], us["deq_mm"],
-                 us["deq_mm_general"],
+                [name, m, us["dense"], us["w4a16"], us["dot"], us["act_order"], us["deq_mm"], us["deq_mm_general"],
                  r["dense_over_w4a16"], r["w4a16_gbs"], r["w4a16_tflops"], _describe(cfg)]
             )  # fmt: skip
             ratio = r["dense_over_w4a16"]
             log(f"{name:>8} M={m:<5} dense {us['dense']:8.1f} us  w4a16 {us['w4a16']:8.1f} us  x{ratio:.2f}")
         log(f"{name}: AWQ repack at load {repack_ms:.1f} ms")
     headers = [
-        "shape", "M", "dense us", "w4a16 us", "dot us", "dot, fp32 dequant us", "act-order us", "deq+mm us",
-        "general deq+mm us",
+        "shape", "M", "dense us", "w4a16 us", "dot us", "act-order us", "deq+mm us", "general deq+mm us",
         "dense/w4a16", "GB/s", "TFLOP/s",
     ]  # fmt: skip
     md = markdown_table(headers + ["launch"], rows)

@@ -19,9 +19,6 @@ if not HAS_CUDA:
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0", "false", "False")
 
-# Kernels may carry inline PTX: NVIDIA GPUs run it, the interpreter runs an emulation in its place (ROCm runs neither).
-INLINE_PTX = INTERPRET or torch.version.hip is None
-
 
 def default_device() -> torch.device:
     """The device models and caches live on when the caller names none."""

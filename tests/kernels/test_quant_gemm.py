@@ -37,7 +37,6 @@ KINDS = {
     "gemv": QuantGemmConfig(1, 32, 32, 1, 4, 2, gemv=True),  # next tile's loads issued one iteration ahead
     "gemv1": QuantGemmConfig(1, 32, 32, 1, 4, 1, gemv=True),  # no prefetch
     "dot": QuantGemmConfig(16, 32, 32, 1, 4, 2),
-    "paired": QuantGemmConfig(16, 32, 128, 1, 4, 2),  # 4-bit, 16-bit x, one group per tile: quant_paired.py
     "dequant": QuantGemmConfig(1, 32, 32, 1, 4, 1, dequant=True),
 }
 
@@ -81,14 +80,6 @@ def _weights(k, n, bits, group_size, seed):
 @example(
     seed=8, m=16, bits=4, n_words=5, k_words=41, group_size=32, act_order=False, zero_offset=0, has_bias=True,
     dtype=torch.float16, kind="dot", split=3,
-)  # fmt: skip
-@example(
-    seed=11, m=16, bits=4, n_words=5, k_words=41, group_size=128, act_order=True, zero_offset=1, has_bias=True,
-    dtype=torch.bfloat16, kind="paired", split=3,
-)  # fmt: skip
-@example(
-    seed=12, m=3, bits=4, n_words=17, k_words=17, group_size=-1, act_order=False, zero_offset=0, has_bias=False,
-    dtype=torch.float16, kind="paired", split=1,
 )  # fmt: skip
 @example(
     seed=9, m=17, bits=8, n_words=17, k_words=17, group_size=64, act_order=True, zero_offset=1, has_bias=False,

@@ -27,17 +27,10 @@ import triton.language as tl
 from tritonllm.kernels.arrival_counters import arrival_counters
 from tritonllm.kernels.quant_dense import dequantized_matmul
 from tritonllm.kernels.quant_dequant import gptq_dequantize_ref
-from tritonllm.kernels.quant_gemm_common import (
-    dequant_words,
-    group_params,
-    grouping,
-    load_word_tile,
-    store_output,
-)
+from tritonllm.kernels.quant_gemm_common import dequant_words, grouping, load_word_tile, store_output
 from tritonllm.kernels.quant_gemm_config import QuantGemmConfig, check_config, num_sms, quant_gemm_config
 from tritonllm.kernels.quant_gemv import _quant_gemv_kernel
-from tritonllm.kernels.quant_paired import dequant_columns
-from tritonllm.platform import INLINE_PTX, INTERPRET, check_kernel_device
+from tritonllm.platform import INTERPRET, check_kernel_device
 
 FUSED_GPTQ_BITS = (2, 4, 8)
 
@@ -78,7 +71,6 @@ def _quant_gemm_kernel(
     SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     INTERPRET: tl.constexpr,
-    PAIRED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -94,16 +86,18 @@ def _quant_gemm_kernel(
     mask_n = offs_n < N
     offs_m64 = offs_m.to(tl.int64)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # PAIRED, one group per tile: each tile's product of x and (q - z) is scaled one iteration later, when its MMAs
-    # have long finished (scaling it at once would stall every iteration on the MMA chain).
-    product = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    product_scale = tl.zeros((BLOCK_N,), dtype=tl.float32)
     k_start = pid_s * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_kw = k0 // PACK + tl.arange(0, KW)
         mask_kw = offs_kw < K // PACK
         words = load_word_tile(qweight_ptr, offs_kw, mask_kw, offs_n, mask_n, stride_qw_k, stride_qw_n)
+        # [PACK, KW, BLOCK_N] -> [KW, PACK, BLOCK_N] (a permutation of each thread's registers) -> B rows in K order.
+        w = dequant_words(
+            words, offs_kw, mask_kw, offs_n, mask_n, k0, K, qzeros_ptr, scales_ptr, stride_qz_g, stride_qz_n,
+            stride_s_g, stride_s_n, BITS, GROUP_SIZE, ZERO_OFFSET, GROUPS,
+        )  # fmt: skip
+        w = tl.reshape(tl.permute(w, (1, 0, 2)), (BLOCK_K, BLOCK_N))
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < K
         cols = offs_k
@@ -114,52 +108,14 @@ def _quant_gemm_kernel(
             mask=mask_m[:, None] & mask_k[None, :],
             other=0.0,
         )
-        if PAIRED:  # one group per tile, BLOCK_K >= 128: a dot per value position p of the words (K rows r*8+p)
-            words = tl.reshape(words, (KW, BLOCK_N))
-            z, s = group_params(
-                qzeros_ptr, scales_ptr, k0 // GROUP_SIZE, mask_n, offs_n, stride_qz_g, stride_qz_n, stride_s_g,
-                stride_s_n, BITS, ZERO_OFFSET,
-            )  # fmt: skip
-            w0, w1, w2, w3, w4, w5, w6, w7 = dequant_columns(words, z[None, :], x.dtype == tl.bfloat16, INTERPRET)
-            xa = x
-            if INTERPRET:  # bf16 tl.dot is wrong under the interpreter; fp32 operands compute the same product
-                xa = x.to(tl.float32)
-            x_c0, x_c1 = tl.split(tl.reshape(xa, (BLOCK_M, KW, 2, 2, 2)))  # p = 4a + 2b + c
-            x0, x2 = tl.split(x_c0)
-            x1, x3 = tl.split(x_c1)
-            x0, x4 = tl.split(x0)
-            x2, x6 = tl.split(x2)
-            x1, x5 = tl.split(x1)
-            x3, x7 = tl.split(x3)
-            t = tl.dot(x0, w0.to(xa.dtype))
-            t = tl.dot(x1, w1.to(xa.dtype), t)
-            t = tl.dot(x2, w2.to(xa.dtype), t)
-            t = tl.dot(x3, w3.to(xa.dtype), t)
-            t = tl.dot(x4, w4.to(xa.dtype), t)
-            t = tl.dot(x5, w5.to(xa.dtype), t)
-            t = tl.dot(x6, w6.to(xa.dtype), t)
-            t = tl.dot(x7, w7.to(xa.dtype), t)
-            # the product is scaled one iteration later, when its MMAs have long finished
-            acc += product * product_scale[None, :]
-            product = t
-            product_scale = s
-        else:
-            # [PACK, KW, BLOCK_N] -> [KW, PACK, BLOCK_N] (a permutation of each thread's registers) -> B in K order.
-            w = dequant_words(
-                words, offs_kw, mask_kw, offs_n, mask_n, k0, K, qzeros_ptr, scales_ptr, stride_qz_g, stride_qz_n,
-                stride_s_g, stride_s_n, BITS, GROUP_SIZE, ZERO_OFFSET, GROUPS,
-            )  # fmt: skip
-            w = tl.reshape(tl.permute(w, (1, 0, 2)), (BLOCK_K, BLOCK_N))
-            a = x
-            b = w.to(x.dtype)
-            if INTERPRET:
-                if x.dtype == tl.bfloat16:
-                    # bf16 tl.dot is wrong under the interpreter; fp32 operands compute the same product.
-                    a = x.to(tl.float32)
-                    b = w
-            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-    if PAIRED:
-        acc += product * product_scale[None, :]
+        a = x
+        b = w.to(x.dtype)
+        if INTERPRET:
+            if x.dtype == tl.bfloat16:
+                # bf16 tl.dot is wrong under the interpreter; fp32 operands compute the same product.
+                a = x.to(tl.float32)
+                b = w
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
 
     store_output(
         acc, offs_m, offs_n, pid_m * tl.num_programs(1) + pid_n, pid_s, M, N, split_k, stride_p_s, bias_ptr, out_ptr,
@@ -225,12 +181,11 @@ def _launch(x, qweight, qzeros, scales, perm, bias, n, bits, group_size, zero_of
         out.stride(0),
         out.stride(1),
     )
-    groups = grouping(group, k, bits, cfg.block_k)
     common = dict(
         BITS=bits,
         GROUP_SIZE=group,
         ZERO_OFFSET=zero_offset,
-        GROUPS=groups,
+        GROUPS=grouping(group, k, bits, cfg.block_k),
         HAS_PERM=perm is not None,
         HAS_BIAS=bias is not None,
         SPLIT=split_k > 1,
@@ -243,10 +198,8 @@ def _launch(x, qweight, qzeros, scales, perm, bias, n, bits, group_size, zero_of
         _quant_gemv_kernel[grid](*args, PREFETCH=cfg.num_stages > 1, **common)
     else:
         precision = "ieee" if x.dtype == torch.float32 else "tf32"
-        paired = cfg.paired and bits == 4 and x.dtype != torch.float32 and groups == "tile" and cfg.block_k >= 128
-        paired = paired and INLINE_PTX
         _quant_gemm_kernel[grid](
-            *args, DOT_PRECISION=precision, INTERPRET=INTERPRET, PAIRED=paired, BLOCK_M=cfg.block_m, **common
+            *args, DOT_PRECISION=precision, INTERPRET=INTERPRET, BLOCK_M=cfg.block_m, **common
         )  # fmt: skip
     return out.reshape(*lead, n)
 

@@ -32,7 +32,6 @@ class QuantGemmConfig:
     num_stages: int  # GEMV kernel: > 1 loads each K tile one iteration ahead
     gemv: bool = False  # CUDA-core GEMV kernel instead of the tl.dot one
     dequant: bool = False  # dense W^T then a cuBLAS matmul (block_n, block_k, num_warps: the dequant tile)
-    paired: bool = True  # tl.dot kernel, 4-bit, 16-bit x: weights to 16-bit floats in pairs (quant_paired.py)
 
 
 @dataclass(slots=True, frozen=True)
