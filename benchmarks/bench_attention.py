@@ -577,6 +577,10 @@ def run_sweep(s, dtype, device, copy_gbs) -> dict:
                     is_default=cfg is case.config,
                 )
             )
+        mine = [r for r in prefill if r["shape"] == f"L={length}"]
+        if mine:
+            top = min(mine, key=lambda r: r["ms"])
+            log(f"sweep prefill L={length}: best {top['tile']} {top['ms'] * 1e3:.1f} us")
     return dict(
         decode=decode,
         prefill=prefill,
@@ -736,6 +740,8 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=KV_HEADS, help="KV heads")
     parser.add_argument("--head-dim", type=int, default=HEAD_DIM, help="head size (the table is keyed by it)")
     parser.add_argument("--batches", default=None, help="comma-separated decode batch sizes (default: all)")
+    parser.add_argument("--sweep-decode", default=None, help="decode shapes the sweep times, e.g. 1x1024,64x8192")
+    parser.add_argument("--sweep-prefill", default=None, help="prefill lengths the sweep times, e.g. 512,2048")
     parser.add_argument("--tiny", action="store_true", help="toy shapes: a smoke test that runs anywhere")
     parser.add_argument("--device", default=None)
     args = parser.parse_args()
@@ -743,6 +749,11 @@ def main() -> None:
     shapes = TINY if args.tiny else Shapes(heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim)
     if args.batches:
         shapes = dataclasses.replace(shapes, batches=tuple(int(b) for b in args.batches.split(",")))
+    if args.sweep_decode:
+        pairs = tuple(tuple(int(v) for v in shape.split("x")) for shape in args.sweep_decode.split(","))
+        shapes = dataclasses.replace(shapes, sweep_decode=pairs)
+    if args.sweep_prefill:
+        shapes = dataclasses.replace(shapes, sweep_prefill=tuple(int(v) for v in args.sweep_prefill.split(",")))
     dtype = torch.bfloat16
     copy_bytes = 4 << 30 if device.type == "cuda" else 64 << 20
     log(f"device {device}; copy bandwidth ...")
