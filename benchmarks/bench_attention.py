@@ -491,6 +491,11 @@ def _rank_tiles(rows: list[dict], key: str) -> list[dict]:
     return [dict(tile=tile, slowdown_vs_best=score) for score, tile in ranked[:8]]
 
 
+def _fastest(rows: list[dict], shape: str, key: str) -> dict | None:
+    """The sweep row of `shape` with the smallest `key`, or None when none of its configs ran."""
+    return min((r for r in rows if r["shape"] == shape), key=lambda r: r[key], default=None)
+
+
 def _try_time(label: str, make: Callable[[], tuple[float, float]]) -> tuple[float, float] | None:
     try:
         return make()
@@ -542,9 +547,8 @@ def run_sweep(s, dtype, device, copy_gbs) -> dict:
                     is_default=cfg is base,
                 )
             )
-        mine = [r for r in decode if r["shape"] == f"B={batch} S={context}"]
-        if mine:
-            top = min(mine, key=lambda r: r["us"])
+        top = _fastest(decode, f"B={batch} S={context}", "us")
+        if top:
             log(f"sweep decode B={batch} S={context}: best {top['tile']} splits={top['num_splits']} {top['us']:.1f} us")
     prefill = []
     for length in s.sweep_prefill:
@@ -577,9 +581,8 @@ def run_sweep(s, dtype, device, copy_gbs) -> dict:
                     is_default=cfg is case.config,
                 )
             )
-        mine = [r for r in prefill if r["shape"] == f"L={length}"]
-        if mine:
-            top = min(mine, key=lambda r: r["ms"])
+        top = _fastest(prefill, f"L={length}", "ms")
+        if top:
             log(f"sweep prefill L={length}: best {top['tile']} {top['ms'] * 1e3:.1f} us")
     return dict(
         decode=decode,
