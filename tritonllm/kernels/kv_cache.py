@@ -17,6 +17,14 @@ _MAX_TILE_ELEMS = 4096
 
 
 @triton.jit
+def cache_slot_rows(slot, heads, stride_block, stride_slot, stride_head, BLOCK_SIZE: tl.constexpr):
+    """Element offsets of `heads`' rows of slot `slot` (int64: block * stride_block passes 2^31 in a large cache)
+    in a [num_blocks, BLOCK_SIZE, num_kv_heads, head_size] cache; the KV write and the fused rotary kernel share it."""
+    slot = slot.to(tl.int64)
+    return (slot // BLOCK_SIZE) * stride_block + (slot % BLOCK_SIZE) * stride_slot + heads * stride_head
+
+
+@triton.jit
 def _write_kv_cache_kernel(
     key_ptr,
     value_ptr,
@@ -41,13 +49,10 @@ def _write_kv_cache_kernel(
 ):
     token = tl.program_id(0)
     head_tile = tl.program_id(1)
-    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token)
     if slot < 0:
         return
 
-    # int64: block_id * stride_block passes 2^31 in a large cache.
-    block_id = slot // BLOCK_SIZE
-    block_offset = slot % BLOCK_SIZE
     offs_h = head_tile * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HEAD_SIZE)
@@ -55,12 +60,10 @@ def _write_kv_cache_kernel(
     token64 = token.to(tl.int64)
     src_k = token64 * stride_key_t + offs_h[:, None] * stride_key_h + offs_d[None, :]
     src_v = token64 * stride_value_t + offs_h[:, None] * stride_value_h + offs_d[None, :]
-    dst_k = (
-        block_id * stride_kc_block + block_offset * stride_kc_slot + offs_h[:, None] * stride_kc_head + offs_d[None, :]
-    )
-    dst_v = (
-        block_id * stride_vc_block + block_offset * stride_vc_slot + offs_h[:, None] * stride_vc_head + offs_d[None, :]
-    )
+    kc_rows = cache_slot_rows(slot, offs_h, stride_kc_block, stride_kc_slot, stride_kc_head, BLOCK_SIZE)
+    vc_rows = cache_slot_rows(slot, offs_h, stride_vc_block, stride_vc_slot, stride_vc_head, BLOCK_SIZE)
+    dst_k = kc_rows[:, None] + offs_d[None, :]
+    dst_v = vc_rows[:, None] + offs_d[None, :]
 
     k = tl.load(key_ptr + src_k, mask=mask)
     v = tl.load(value_ptr + src_v, mask=mask)

@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tritonllm.kernels.kv_cache import check_kv_write
+from tritonllm.kernels.kv_cache import cache_slot_rows, check_kv_write
 from tritonllm.platform import check_kernel_device
 
 
@@ -97,9 +97,8 @@ def _apply_rotary_kernel(
             # k rotated straight into its cache slot (k itself untouched), v copied next to it; -1 skips.
             slot = tl.load(slot_mapping_ptr + token)
             if slot >= 0:
-                block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
-                kc_rows = block * stride_kc_block + offset * stride_kc_slot + heads * stride_kc_head
-                vc_rows = block * stride_vc_block + offset * stride_vc_slot + heads * stride_vc_head
+                kc_rows = cache_slot_rows(slot, heads, stride_kc_block, stride_kc_slot, stride_kc_head, BLOCK_SIZE)
+                vc_rows = cache_slot_rows(slot, heads, stride_vc_block, stride_vc_slot, stride_vc_head, BLOCK_SIZE)
                 _rotate_heads(k_ptr, k_cache_ptr, k_rows, kc_rows, head_mask, cos, sin, half_offs, half_mask, half,
                               IS_NEOX)  # fmt: skip
                 offs_d = tl.arange(0, BLOCK_D)[None, :]
