@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 import torch
 
 import tritonllm  # noqa: F401  (sets TRITON_INTERPRET before triton is used without a GPU)
+from tritonllm.kernels.dependent_launch import dependent_launch
 from tritonllm.platform import default_device
 
 T = TypeVar("T")
@@ -109,6 +110,8 @@ def environment(device: torch.device) -> dict[str, Any]:
         "torch": torch.__version__,
         "triton": triton.__version__,
         "python": platform.python_version(),
+        # kernels launched before their predecessor finishes (tritonllm/kernels/dependent_launch.py)
+        "dependent_launch": bool(dependent_launch(device).get("launch_pdl")),
     }
     try:
         root = Path(__file__).resolve().parent.parent

@@ -5,6 +5,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from tritonllm.kernels.dependent_launch import dependent_launch, wait_for_previous_kernel
 from tritonllm.platform import check_kernel_device
 
 _MAX_BLOCK = 1024
@@ -19,7 +20,9 @@ def _act_and_mul_kernel(
     stride_out_row,
     ACTIVATION: tl.constexpr,  # "silu" | "gelu_tanh"
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < I
@@ -59,8 +62,9 @@ def _act_and_mul(x: torch.Tensor, activation: str) -> torch.Tensor:
     block = min(_MAX_BLOCK, triton.next_power_of_2(inter))
     grid = (x2.shape[0], triton.cdiv(inter, block))
     _act_and_mul_kernel[grid](
-        x2, out2, inter, x2.stride(0), out2.stride(0), ACTIVATION=activation, BLOCK=block, num_warps=4
-    )
+        x2, out2, inter, x2.stride(0), out2.stride(0), ACTIVATION=activation, BLOCK=block, num_warps=4,
+        **dependent_launch(x.device),
+    )  # fmt: skip
     return out
 
 

@@ -29,6 +29,7 @@ from tritonllm.kernels.dense_gemv_config import (
     gemv_config,
     num_sms,
 )
+from tritonllm.kernels.dependent_launch import dependent_launch, wait_for_previous_kernel
 from tritonllm.kernels.quant_gemm_common import store_output
 from tritonllm.platform import INTERPRET, check_kernel_device
 
@@ -62,7 +63,9 @@ def _dense_gemv_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -203,6 +206,7 @@ def dense_gemv(
         BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages if cfg.use_dot else 1,  # the CUDA-core path prefetches in registers instead
+        **dependent_launch(x.device),
     )  # fmt: skip
     return out
 

@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tritonllm.kernels.dependent_launch import dependent_launch, wait_for_previous_kernel
 from tritonllm.platform import check_kernel_device  # importing platform first sets TRITON_INTERPRET
 
 # Elements one program moves: enough to keep loads wide, small enough for many programs per token batch.
@@ -46,7 +47,9 @@ def _write_kv_cache_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     token = tl.program_id(0)
     head_tile = tl.program_id(1)
     slot = tl.load(slot_mapping_ptr + token)
@@ -165,6 +168,7 @@ def write_kv_cache(
         BLOCK_SIZE=block_size,
         BLOCK_H=block_h,
         BLOCK_D=block_d,
+        **dependent_launch(key.device),
     )
 
 

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from tritonllm.kernels.arrival_counters import arrival_counters
+from tritonllm.kernels.dependent_launch import dependent_launch, wait_for_previous_kernel
 from tritonllm.kernels.kv_cache import check_cache_pair
 from tritonllm.kernels.paged_attention_config import (
     PagedAttentionConfig,
@@ -107,7 +108,9 @@ def _paged_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     INTERPRET: tl.constexpr,
     IDX: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     # IDX: int32 compiled; int64 under the interpreter, which checks every int32 add/mul for overflow with ~8
     # extra ops (int64 is not checked), a large share of a program's cost there.
     if ONE_TILE_PER_SEQ:
@@ -398,6 +401,7 @@ def _launch(
         IDX=tl.int64 if INTERPRET else tl.int32,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **dependent_launch(q.device),
     )
     if split and not merge_in_launch:
         merge_attention_partials(

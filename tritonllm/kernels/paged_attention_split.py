@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tritonllm.kernels.dependent_launch import dependent_launch, wait_for_previous_kernel
 from tritonllm.platform import check_kernel_device
 
 
@@ -36,7 +37,9 @@ def _merge_attention_partials_kernel(
     SPLITS_PADDED: tl.constexpr,
     HEADS_PER_PROGRAM: tl.constexpr,
     HAS_NUM_VALID: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     token = tl.program_id(0)
     offs_h = tl.program_id(1) * HEADS_PER_PROGRAM + tl.arange(0, HEADS_PER_PROGRAM)
     offs_s = tl.arange(0, SPLITS_PADDED)
@@ -192,6 +195,7 @@ def merge_attention_partials(
         HEADS_PER_PROGRAM=heads_per_program,
         HAS_NUM_VALID=num_valid is not None,
         num_warps=4,
+        **dependent_launch(out.device),
     )
     return out
 

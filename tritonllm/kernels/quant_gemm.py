@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from tritonllm.kernels.arrival_counters import arrival_counters
+from tritonllm.kernels.dependent_launch import dependent_launch, wait_for_previous_kernel
 from tritonllm.kernels.quant_dense import dequantized_matmul
 from tritonllm.kernels.quant_dequant import gptq_dequantize_ref
 from tritonllm.kernels.quant_gemm_common import dequant_words, grouping, load_word_tile, store_output
@@ -74,7 +75,9 @@ def _quant_gemm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     PACK: tl.constexpr = 32 // BITS
     KW: tl.constexpr = BLOCK_K // PACK
     pid_m = tl.program_id(0)
@@ -193,6 +196,7 @@ def _launch(x, qweight, qzeros, scales, perm, bias, n, bits, group_size, zero_of
         BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **dependent_launch(x.device),
     )
     if cfg.gemv:
         _quant_gemv_kernel[grid](*args, PREFETCH=cfg.num_stages > 1, **common)

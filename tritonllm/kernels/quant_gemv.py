@@ -9,6 +9,7 @@ once per K tile (one group) as [BLOCK_N] vectors. Rows of a batch > 1 re-read th
 import triton
 import triton.language as tl
 
+from tritonllm.kernels.dependent_launch import wait_for_previous_kernel
 from tritonllm.kernels.quant_gemm_common import group_params, magic, store_output
 
 
@@ -60,7 +61,9 @@ def _quant_gemv_kernel(
     PREFETCH: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     PACK: tl.constexpr = 32 // BITS
     KW: tl.constexpr = BLOCK_K // PACK  # word rows per tile
     row = tl.program_id(0)

@@ -4,6 +4,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tritonllm.kernels.dependent_launch import dependent_launch, wait_for_previous_kernel
 from tritonllm.platform import check_kernel_device
 
 _MAX_HIDDEN = 65536  # one row lives in registers; beyond this a split-row kernel would be needed
@@ -28,7 +29,9 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     # Rows are addressed through a [M0, M1, H] view: row r sits at (r // M1, r % M1), which covers
     # per-head views of a fused qkv output (token stride != heads * head_dim).
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -131,6 +134,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
         BLOCK_M=block_m,
         BLOCK_H=block_h,
         num_warps=num_warps,
+        **dependent_launch(x.device),
     )
     return out
 

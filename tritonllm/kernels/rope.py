@@ -5,6 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tritonllm.kernels.dependent_launch import dependent_launch, wait_for_previous_kernel
 from tritonllm.kernels.kv_cache import cache_slot_rows, check_kv_write
 from tritonllm.platform import check_kernel_device
 
@@ -74,8 +75,10 @@ def _apply_rotary_kernel(
     BLOCK_HEADS: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # grid = (T, q head blocks + k head blocks): one token's cos/sin row, one block of heads of q or of k (and v).
+    wait_for_previous_kernel(PDL)
     token = tl.program_id(0).to(tl.int64)
     head_block = tl.program_id(1)
     pos = tl.load(pos_ptr + token * stride_pos).to(tl.int64)
@@ -231,6 +234,7 @@ def _launch(positions, q, k, cos_sin_cache, is_neox, cache_write) -> None:
         BLOCK_HALF=block_half,
         BLOCK_D=block_d,
         num_warps=4,
+        **dependent_launch(q.device),
     )
 
 

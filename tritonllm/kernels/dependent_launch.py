@@ -1,0 +1,45 @@
+"""Programmatic dependent launch (Hopper and later): a kernel starts while the kernel before it in the stream is
+still draining, so its launch and scheduling overlap that kernel's tail instead of following it.
+
+A decode step at batch 1 is a chain of ~10 short kernels per layer, each paying a launch gap even inside a CUDA
+graph; this hides that gap for every kernel here. The rule that keeps it correct: a kernel launched with
+`dependent_launch(device)` calls `wait_for_previous_kernel` before it touches memory (no read of the previous
+kernel's output, no write over its input, no early return before it), so each kernel still sees everything
+before it complete, and the kernels after it wait for it as before.
+
+On by default on compute capability >= 9 when compiled; `TRITONLLM_PDL=0` turns it off (for A/B timing).
+"""
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from tritonllm.platform import INTERPRET
+
+
+@functools.lru_cache(maxsize=8)
+def _supported(device_index: int) -> bool:
+    if os.environ.get("TRITONLLM_PDL", "1") == "0":
+        return False
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def dependent_launch(device: torch.device) -> dict:
+    """Launch keywords for a kernel that starts with `wait_for_previous_kernel(PDL)`: PDL=True plus Triton's
+    launch_pdl option where the GPU supports it, else PDL=False (the interpreter, CPUs, GPUs before Hopper)."""
+    if INTERPRET or device.type != "cuda" or not _supported(device.index or 0):
+        return {"PDL": False}
+    return {"PDL": True, "launch_pdl": True}
+
+
+@triton.jit
+def wait_for_previous_kernel(PDL: tl.constexpr):
+    """Block until the previous kernel in the stream has finished and its writes are visible, then let the next
+    kernel launch (it waits the same way before touching memory). A no-op without PDL."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
