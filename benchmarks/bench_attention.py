@@ -496,6 +496,12 @@ def _fastest(rows: list[dict], shape: str, key: str) -> dict | None:
     return min((r for r in rows if r["shape"] == shape), key=lambda r: r[key], default=None)
 
 
+def _vs_default(rows: list[dict], shape: str, key: str, scale: float) -> str:
+    """A progress line's note of the default launch's time: a stopped sweep still compares the table's entry."""
+    default = next((r for r in rows if r["shape"] == shape and r["is_default"]), None)
+    return "" if default is None else f" (the default: {default[key] * scale:.1f} us)"
+
+
 def _try_time(label: str, make: Callable[[], tuple[float, float]]) -> tuple[float, float] | None:
     try:
         return make()
@@ -549,7 +555,8 @@ def run_sweep(s, dtype, device, copy_gbs) -> dict:
             )
         top = _fastest(decode, f"B={batch} S={context}", "us")
         if top:
-            log(f"sweep decode B={batch} S={context}: best {top['tile']} splits={top['num_splits']} {top['us']:.1f} us")
+            vs = _vs_default(decode, top["shape"], "us", 1.0)
+            log(f"sweep decode {top['shape']}: best {top['tile']} splits={top['num_splits']} {top['us']:.1f} us{vs}")
     prefill = []
     for length in s.sweep_prefill:
         case = prefill_case(length, s, dtype, device)
@@ -583,7 +590,8 @@ def run_sweep(s, dtype, device, copy_gbs) -> dict:
             )
         top = _fastest(prefill, f"L={length}", "ms")
         if top:
-            log(f"sweep prefill L={length}: best {top['tile']} {top['ms'] * 1e3:.1f} us")
+            vs = _vs_default(prefill, top["shape"], "ms", 1e3)
+            log(f"sweep prefill {top['shape']}: best {top['tile']} {top['ms'] * 1e3:.1f} us{vs}")
     return dict(
         decode=decode,
         prefill=prefill,
