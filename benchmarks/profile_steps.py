@@ -186,6 +186,12 @@ def main() -> None:
     p.add_argument(
         "--dense-gemv-max-rows", type=int, default=None, help="Override DENSE_GEMV_MAX_ROWS (0: F.linear always)."
     )
+    p.add_argument(
+        "--dense-gemv-max-weight",
+        type=int,
+        default=None,
+        help="Override DENSE_GEMV_MAX_WEIGHT: the GEMV only for weights of at most this many elements.",
+    )
     p.add_argument("--device", default=None)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
@@ -193,6 +199,8 @@ def main() -> None:
     device = bench_device(args.device)
     if args.dense_gemv_max_rows is not None:
         dense_gemv_config.DENSE_GEMV_MAX_ROWS = args.dense_gemv_max_rows
+    if args.dense_gemv_max_weight is not None:
+        dense_gemv_config.DENSE_GEMV_MAX_WEIGHT = args.dense_gemv_max_weight
     results: dict[str, Any] = {"environment": environment(device), "preset": args.preset, "phases": []}
     with tempfile.TemporaryDirectory() as tmp:
         config = PRESETS[args.preset]

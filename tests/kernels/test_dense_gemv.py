@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from hypothesis import example, given
 from hypothesis import strategies as st
 
+import tritonllm.kernels.dense_gemv_config as dense_gemv_config
 import tritonllm.models.layers.linear as linear_module
 from tests.helpers import DEVICE, TOLERANCES, dtypes, randn, seeds
 from tritonllm.kernels.arrival_counters import _COUNTERS
@@ -201,6 +202,16 @@ def test_dispatch_rule(rows, device, dtype, interpret, expected):
     assert default is (expected and rows <= DENSE_GEMV_MAX_ROWS)
 
 
+def test_dispatch_rule_weight_limit(monkeypatch):
+    # DENSE_GEMV_MAX_WEIGHT keeps weights above it on F.linear; None lets every size through.
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(dense_gemv_config, "DENSE_GEMV_MAX_WEIGHT", 4096 * 6144)
+    assert use_dense_gemv(1, cuda, torch.bfloat16, False, max_rows=1, weight_numel=4096 * 6144)
+    assert not use_dense_gemv(1, cuda, torch.bfloat16, False, max_rows=1, weight_numel=4096 * 6144 + 1)
+    monkeypatch.setattr(dense_gemv_config, "DENSE_GEMV_MAX_WEIGHT", None)
+    assert use_dense_gemv(1, cuda, torch.bfloat16, False, max_rows=1, weight_numel=4096 * 128256)
+
+
 def test_linear_on_cpu_is_f_linear():
     x = randn(2, 3, 40, dtype=torch.float32, seed=12)
     w = randn(24, 40, dtype=torch.float32, seed=13)
@@ -216,7 +227,7 @@ def test_linear_routes_few_rows_through_the_kernel(monkeypatch):
         calls.append(args[0].shape)
         return dense_gemv(*args, **kwargs)
 
-    monkeypatch.setattr(linear_module, "use_dense_gemv", lambda rows, device, dtype: rows <= 4)
+    monkeypatch.setattr(linear_module, "use_dense_gemv", lambda rows, device, dtype, weight_numel: rows <= 4)
     monkeypatch.setattr(linear_module, "dense_gemv", spy)
     w = randn(24, 40, dtype=torch.float16, seed=15)
     bias = randn(24, dtype=torch.float16, seed=16)

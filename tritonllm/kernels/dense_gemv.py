@@ -65,7 +65,6 @@ def _dense_gemv_kernel(
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    wait_for_previous_kernel(PDL)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -78,6 +77,7 @@ def _dense_gemv_kernel(
     k_end = tl.minimum(k_start + k_per_split, K)
 
     if USE_DOT:
+        wait_for_previous_kernel(PDL)
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for k0 in range(k_start, k_end, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -98,6 +98,8 @@ def _dense_gemv_kernel(
         if PREFETCH:  # each weight tile is loaded one iteration ahead, never past this split's K range
             offs_k = k_start + tl.arange(0, BLOCK_K)[None, None, :]
             w = tl.load(w_ptrs + offs_k, mask=offs_k < k_end, other=0.0)
+        # The weight is no earlier kernel's output: its first tile is in flight while the previous kernel drains.
+        wait_for_previous_kernel(PDL)
         for k0 in range(k_start, k_end, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)[None, None, :]
             mask_k = offs_k < k_end

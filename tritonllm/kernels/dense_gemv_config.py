@@ -30,12 +30,17 @@ import triton
 from tritonllm.platform import INTERPRET
 
 MAX_GEMV_ROWS = 16  # dense_gemv's limit: the rows fit one 16-row MMA tile
-# Linear layers take the GEMV kernel up to this many rows (x.numel() // K), F.linear (cuBLAS) beyond. 0: never.
-# On the H200 (bench_gemv.py, weights streamed past L2) cuBLAS reads these shapes at 62-99% of copy bandwidth at
-# M = 1..8 and the default launches here matched it on qkv, o and the LM head but trailed on gate_up and down
-# (M = 1: 61.5 vs 58.5 us, 35.8 vs 32.1 us); a batch-1 decode step took 5.34 ms with the kernel, 5.25 without.
-# Off until a launch table from `bench_gemv.py --sweep` beats cuBLAS per shape.
-DENSE_GEMV_MAX_ROWS = 0
+# Linear layers take the GEMV kernel for up to DENSE_GEMV_MAX_ROWS rows (x.numel() // K) and weights of at most
+# DENSE_GEMV_MAX_WEIGHT elements (None: any), F.linear (cuBLAS) otherwise; 0 rows: never.
+# On the H200 with programmatic dependent launch (bench_gemv.py, M = 1, weights streamed past L2, the first weight
+# tile loaded before the wait) the kernel beat cuBLAS on qkv and o (14.5 vs 16.2 us, 11.9 vs 13.2 us), matched it
+# on gate_up (60.6 vs 62.3) and the LM head (250.7 vs 246.0) and trailed on down (35.1 vs 31.9). In a batch-1
+# decode step of the 8B shape (profile_steps.py, one run): cuBLAS everywhere 4.55 ms, the kernel everywhere 4.48,
+# on qkv and o only 4.47, on all but gate_up and the LM head 4.51. Without dependent launch the edge is gone
+# (4.70 ms on qkv, o and down; cuBLAS everywhere 4.68 in an earlier run). So: one row, and weights up to 2**25
+# elements (64 MiB in bf16: the 8B's qkv and o, not gate_up, down or the LM head).
+DENSE_GEMV_MAX_ROWS = 1
+DENSE_GEMV_MAX_WEIGHT: int | None = 2**25
 DENSE_GEMV_DTYPES = (torch.float16, torch.bfloat16)  # what linear layers send to it (fp32 stays on F.linear)
 MAX_TILE_NUMEL = 2**20  # Triton's largest tensor; the CUDA-core accumulator is BLOCK_M * BLOCK_N * BLOCK_K
 
@@ -143,9 +148,19 @@ def check_gemv_config(cfg: GemvConfig, m: int) -> None:
 
 
 def use_dense_gemv(
-    rows: int, device: torch.device, dtype: torch.dtype, interpret: bool = INTERPRET, max_rows: int | None = None
+    rows: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    interpret: bool = INTERPRET,
+    max_rows: int | None = None,
+    *,
+    weight_numel: int = 0,
 ) -> bool:
-    """Whether a linear layer of `rows` input rows runs the GEMV kernel (else F.linear): compiled on a CUDA device,
-    fp16/bf16, 1..max_rows rows (default DENSE_GEMV_MAX_ROWS). The interpreter runs it only in the kernel's tests."""
+    """Whether a linear layer of `rows` input rows and a weight of `weight_numel` elements runs the GEMV kernel
+    (else F.linear): compiled on a CUDA device, fp16/bf16, 1..max_rows rows (default DENSE_GEMV_MAX_ROWS), a weight
+    of at most DENSE_GEMV_MAX_WEIGHT elements. The interpreter runs it only in the kernel's tests."""
     limit = DENSE_GEMV_MAX_ROWS if max_rows is None else max_rows
-    return not interpret and device.type == "cuda" and dtype in DENSE_GEMV_DTYPES and 1 <= rows <= limit
+    small_enough = DENSE_GEMV_MAX_WEIGHT is None or weight_numel <= DENSE_GEMV_MAX_WEIGHT
+    return (
+        not interpret and device.type == "cuda" and dtype in DENSE_GEMV_DTYPES and 1 <= rows <= limit and small_enough
+    )

@@ -3,9 +3,10 @@ still draining, so its launch and scheduling overlap that kernel's tail instead 
 
 A decode step at batch 1 is a chain of ~10 short kernels per layer, each paying a launch gap even inside a CUDA
 graph; this hides that gap for every kernel here. The rule that keeps it correct: a kernel launched with
-`dependent_launch(device)` calls `wait_for_previous_kernel` before it touches memory (no read of the previous
-kernel's output, no write over its input, no early return before it), so each kernel still sees everything
-before it complete, and the kernels after it wait for it as before.
+`dependent_launch(device)` calls `wait_for_previous_kernel` before it reads anything an earlier kernel may have
+written or writes anything (and never returns early before it), so each kernel still sees everything before it
+complete, and the kernels after it wait for it as before. Reading constants (weights) before the wait is what
+lets a kernel's first loads overlap the previous kernel's tail.
 
 On by default on compute capability >= 9 when compiled; `TRITONLLM_PDL=0` turns it off (for A/B timing).
 """

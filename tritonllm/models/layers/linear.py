@@ -25,7 +25,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
     if (
-        use_dense_gemv(rows, x.device, x.dtype)
+        use_dense_gemv(rows, x.device, x.dtype, weight_numel=weight.numel())
         and weight.dtype == x.dtype
         and weight.stride(-1) == 1
         and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous()))
