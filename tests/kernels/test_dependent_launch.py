@@ -1,5 +1,5 @@
 """Programmatic dependent launch: kernels that start before their predecessor has finished must still see its
-output, and what they read before waiting (weights, step metadata) must be right too. Chains of kernels where each
+output, and what they read before waiting (the GEMV's weights) must be right too. Chains of kernels where each
 reads the one before run eagerly and, where CUDA exists, as a CUDA graph replayed over fresh inputs, against the
 references."""
 
@@ -84,7 +84,7 @@ def _replay_over_fresh_inputs(run, inputs, reference, seed):
 
 def _decode_attention(x, w_qkv, batch, positions, slots, cos_sin, heads):
     """qkv GEMV -> rotary with the KV write -> paged attention (split over KV, merged): one decode layer's
-    attention, each kernel reading the one before, and each loading weights or step metadata before its wait."""
+    attention, each kernel reading the one before (the GEMV loads weights before its wait)."""
     hq, hk, d = heads
     qkv = dense_gemv(x, w_qkv)
     q = qkv[:, : hq * d].view(-1, hq, d)
@@ -112,7 +112,7 @@ def _decode_attention_ref(x, w_qkv, batch, positions, slots, cos_sin, heads):
 
 @settings(max_examples=3)
 @given(contexts=st.lists(st.integers(5, 90), min_size=1, max_size=3), dtype=dtypes, seed=seeds())
-def test_decode_attention_chain_reads_step_metadata_before_waiting(contexts, dtype, seed):
+def test_decode_attention_chain_sees_each_kernel_before(contexts, dtype, seed):
     heads, hidden, block_size = (4, 2, 16), 48, 16
     hq, hk, d = heads
     batch = make_batch([(c, 1) for c in contexts], hk, hq // hk, d, block_size, dtype, seed)

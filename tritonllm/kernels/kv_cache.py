@@ -49,10 +49,10 @@ def _write_kv_cache_kernel(
     BLOCK_D: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     token = tl.program_id(0)
     head_tile = tl.program_id(1)
-    slot = tl.load(slot_mapping_ptr + token)  # a step input, never the previous kernel's output
-    wait_for_previous_kernel(PDL)
+    slot = tl.load(slot_mapping_ptr + token)
     if slot < 0:
         return
 

@@ -110,6 +110,7 @@ def _paged_attention_kernel(
     IDX: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     # IDX: int32 compiled; int64 under the interpreter, which checks every int32 add/mul for overflow with ~8
     # extra ops (int64 is not checked), a large share of a program's cost there.
     if ONE_TILE_PER_SEQ:
@@ -123,8 +124,6 @@ def _paged_attention_kernel(
     q_start = tl.load(query_start_loc_ptr + seq).to(IDX)
     query_len = tl.load(query_start_loc_ptr + seq + 1).to(IDX) - q_start
     seq_len = tl.load(seq_lens_ptr + seq).to(IDX)
-    # The sequence bounds are step inputs, read while the previous kernel drains; q and K/V are read after.
-    wait_for_previous_kernel(PDL)
     if local_tile * BLOCK_Q >= query_len:
         return  # an idle sequence, or one of the up to one surplus tiles per sequence the grid counts
     if (query_len < min_query_len) | (query_len > max_query_len):

@@ -78,19 +78,15 @@ def _apply_rotary_kernel(
     PDL: tl.constexpr,
 ):
     # grid = (T, q head blocks + k head blocks): one token's cos/sin row, one block of heads of q or of k (and v).
+    wait_for_previous_kernel(PDL)
     token = tl.program_id(0).to(tl.int64)
     head_block = tl.program_id(1)
-    # Positions, the slot mapping and the cos/sin cache are step inputs and constants, never the previous kernel's
-    # output: their loads (two dependent round trips) overlap that kernel's tail.
     pos = tl.load(pos_ptr + token * stride_pos).to(tl.int64)
     half_offs = tl.arange(0, BLOCK_HALF)
     half_mask = half_offs < half
     cache_row = cache_ptr + pos * stride_cache_pos
     cos = tl.load(cache_row + half_offs, mask=half_mask, other=0.0)[None, :]
     sin = tl.load(cache_row + half + half_offs, mask=half_mask, other=0.0)[None, :]
-    if WRITE_CACHE:
-        slot = tl.load(slot_mapping_ptr + token)
-    wait_for_previous_kernel(PDL)
     num_q_blocks = tl.cdiv(num_q_heads, BLOCK_HEADS)
     if head_block < num_q_blocks:
         heads = (head_block * BLOCK_HEADS + tl.arange(0, BLOCK_HEADS)).to(tl.int64)
@@ -102,6 +98,7 @@ def _apply_rotary_kernel(
         k_rows = token * stride_k_t + heads * stride_k_h
         if WRITE_CACHE:
             # k rotated straight into its cache slot (k itself untouched), v copied next to it; -1 skips.
+            slot = tl.load(slot_mapping_ptr + token)
             if slot >= 0:
                 kc_rows = cache_slot_rows(slot, heads, stride_kc_block, stride_kc_slot, stride_kc_head, BLOCK_SIZE)
                 vc_rows = cache_slot_rows(slot, heads, stride_vc_block, stride_vc_slot, stride_vc_head, BLOCK_SIZE)
