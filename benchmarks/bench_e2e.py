@@ -29,7 +29,16 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_utils import bench_device, copy_bandwidth_gbs, environment, log, markdown_table, write_results  # noqa: E402
+from bench_utils import (  # noqa: E402
+    add_dense_gemv_args,
+    apply_dense_gemv_args,
+    bench_device,
+    copy_bandwidth_gbs,
+    environment,
+    log,
+    markdown_table,
+    write_results,
+)
 from e2e_setup import PRESETS, build_engine, kv_bytes_per_token, weight_bytes, write_model_dir  # noqa: E402
 from hf_baseline import hf_static_batching  # noqa: E402
 
@@ -371,6 +380,7 @@ def parse_args() -> argparse.Namespace:
         "--async-scheduling", action=argparse.BooleanOptionalAction, default=True, help="The engine's default: on."
     )
     p.add_argument("--quant-offline", action="store_true", help="Also run the offline workload on AWQ and GPTQ.")
+    add_dense_gemv_args(p)
     p.add_argument("--device", default=None, help="Default: cuda when available.")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
@@ -385,6 +395,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    apply_dense_gemv_args(args)
     device = bench_device(args.device)
     config = PRESETS[args.preset]
     results: dict[str, Any] = {"environment": environment(device), "settings": vars(args), "variants": {}}

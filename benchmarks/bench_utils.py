@@ -3,6 +3,7 @@ writing results as JSON + markdown. Imported by the scripts in this directory (r
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -16,6 +17,7 @@ from typing import Any, TypeVar
 import torch
 
 import tritonllm  # noqa: F401  (sets TRITON_INTERPRET before triton is used without a GPU)
+from tritonllm.kernels import dense_gemv_config
 from tritonllm.kernels.dependent_launch import dependent_launch
 from tritonllm.platform import default_device
 
@@ -101,6 +103,26 @@ def copy_bandwidth_gbs(device: torch.device, nbytes: int = 2**30) -> float:
     return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
+def add_dense_gemv_args(p: argparse.ArgumentParser) -> None:
+    """Flags that override when linear layers take the dense GEMV (tritonllm/kernels/dense_gemv_config.py)."""
+    p.add_argument(
+        "--dense-gemv-max-rows", type=int, default=None, help="Override DENSE_GEMV_MAX_ROWS (0: F.linear always)."
+    )
+    p.add_argument(
+        "--dense-gemv-max-weight",
+        type=int,
+        default=None,
+        help="Override DENSE_GEMV_MAX_WEIGHT: the GEMV only for weights of at most this many elements.",
+    )
+
+
+def apply_dense_gemv_args(args: argparse.Namespace) -> None:
+    if args.dense_gemv_max_rows is not None:
+        dense_gemv_config.DENSE_GEMV_MAX_ROWS = args.dense_gemv_max_rows
+    if args.dense_gemv_max_weight is not None:
+        dense_gemv_config.DENSE_GEMV_MAX_WEIGHT = args.dense_gemv_max_weight
+
+
 def environment(device: torch.device) -> dict[str, Any]:
     import triton
 
@@ -112,13 +134,22 @@ def environment(device: torch.device) -> dict[str, Any]:
         "python": platform.python_version(),
         # kernels launched before their predecessor finishes (tritonllm/kernels/dependent_launch.py)
         "dependent_launch": bool(dependent_launch(device).get("launch_pdl")),
+        "dense_gemv": {
+            "max_rows": dense_gemv_config.DENSE_GEMV_MAX_ROWS,
+            "max_weight": dense_gemv_config.DENSE_GEMV_MAX_WEIGHT,
+        },
     }
     try:
         root = Path(__file__).resolve().parent.parent
-        info["commit"] = subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
+        top, commit = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--show-toplevel", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split()
+        if Path(top).resolve() == root:  # not an exported tree inside some other checkout
+            info["commit"] = commit
+    except (OSError, ValueError, subprocess.CalledProcessError):
         pass
     return info
 

@@ -27,11 +27,18 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_utils import bench_device, environment, log, markdown_table, write_results  # noqa: E402
+from bench_utils import (  # noqa: E402
+    add_dense_gemv_args,
+    apply_dense_gemv_args,
+    bench_device,
+    environment,
+    log,
+    markdown_table,
+    write_results,
+)
 from e2e_setup import PRESETS, build_engine, write_model_dir  # noqa: E402
 
 from tritonllm.entrypoints.bench import synthetic_workload, warm_up  # noqa: E402
-from tritonllm.kernels import dense_gemv_config  # noqa: E402
 from tritonllm.sampling_params import SamplingParams  # noqa: E402
 
 TOP_KERNELS = 25
@@ -183,24 +190,13 @@ def main() -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="Default: the engine's.")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--max-model-len", type=int, default=None, help="Default: 4096 or the model's limit if lower.")
-    p.add_argument(
-        "--dense-gemv-max-rows", type=int, default=None, help="Override DENSE_GEMV_MAX_ROWS (0: F.linear always)."
-    )
-    p.add_argument(
-        "--dense-gemv-max-weight",
-        type=int,
-        default=None,
-        help="Override DENSE_GEMV_MAX_WEIGHT: the GEMV only for weights of at most this many elements.",
-    )
+    add_dense_gemv_args(p)
     p.add_argument("--device", default=None)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
 
     device = bench_device(args.device)
-    if args.dense_gemv_max_rows is not None:
-        dense_gemv_config.DENSE_GEMV_MAX_ROWS = args.dense_gemv_max_rows
-    if args.dense_gemv_max_weight is not None:
-        dense_gemv_config.DENSE_GEMV_MAX_WEIGHT = args.dense_gemv_max_weight
+    apply_dense_gemv_args(args)
     results: dict[str, Any] = {"environment": environment(device), "preset": args.preset, "phases": []}
     with tempfile.TemporaryDirectory() as tmp:
         config = PRESETS[args.preset]
