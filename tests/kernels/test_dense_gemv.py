@@ -195,16 +195,21 @@ def test_interpreter_launch_is_few_large_programs():
         (1, "cuda", torch.bfloat16, True, False),
     ],
 )
-def test_dispatch_rule(rows, device, dtype, interpret, expected):
+def test_dispatch_rule(rows, device, dtype, interpret, expected, monkeypatch):
+    monkeypatch.setattr(dense_gemv_config, "dependent_launch", lambda device: {"PDL": True})
     assert use_dense_gemv(rows, torch.device(device), dtype, interpret, max_rows=8) is expected
     # The default limit (DENSE_GEMV_MAX_ROWS) is what linear layers use; 0 keeps them on F.linear.
     default = use_dense_gemv(rows, torch.device(device), dtype, interpret)
     assert default is (expected and rows <= DENSE_GEMV_MAX_ROWS)
+    # Without dependent launch (GPUs before Hopper, TRITONLLM_PDL=0) linear layers keep cuBLAS.
+    monkeypatch.setattr(dense_gemv_config, "dependent_launch", lambda device: {"PDL": False})
+    assert not use_dense_gemv(rows, torch.device(device), dtype, interpret, max_rows=8)
 
 
 def test_dispatch_rule_weight_limit(monkeypatch):
     # DENSE_GEMV_MAX_WEIGHT keeps weights above it on F.linear; None lets every size through.
     cuda = torch.device("cuda")
+    monkeypatch.setattr(dense_gemv_config, "dependent_launch", lambda device: {"PDL": True})
     monkeypatch.setattr(dense_gemv_config, "DENSE_GEMV_MAX_WEIGHT", 4096 * 6144)
     assert use_dense_gemv(1, cuda, torch.bfloat16, False, max_rows=1, weight_numel=4096 * 6144)
     assert not use_dense_gemv(1, cuda, torch.bfloat16, False, max_rows=1, weight_numel=4096 * 6144 + 1)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from tritonllm.kernels.dependent_launch import dependent_launch
 from tritonllm.platform import INTERPRET
 
 MAX_GEMV_ROWS = 16  # dense_gemv's limit: the rows fit one 16-row MMA tile
@@ -38,7 +39,8 @@ MAX_GEMV_ROWS = 16  # dense_gemv's limit: the rows fit one 16-row MMA tile
 # decode step of the 8B shape (profile_steps.py, one run): cuBLAS everywhere 4.55 ms, the kernel everywhere 4.48,
 # on qkv and o only 4.47, on all but gate_up and the LM head 4.51. Without dependent launch the edge is gone
 # (4.70 ms on qkv, o and down; cuBLAS everywhere 4.68 in an earlier run). So: one row, and weights up to 2**25
-# elements (64 MiB in bf16: the 8B's qkv and o, not gate_up, down or the LM head).
+# elements (64 MiB in bf16: the 8B's qkv and o, not gate_up, down or the LM head), and only where dependent
+# launch is on: elsewhere (GPUs before Hopper, TRITONLLM_PDL=0) it was never measured ahead of cuBLAS.
 DENSE_GEMV_MAX_ROWS = 1
 DENSE_GEMV_MAX_WEIGHT: int | None = 2**25
 DENSE_GEMV_DTYPES = (torch.float16, torch.bfloat16)  # what linear layers send to it (fp32 stays on F.linear)
@@ -157,10 +159,12 @@ def use_dense_gemv(
     weight_numel: int = 0,
 ) -> bool:
     """Whether a linear layer of `rows` input rows and a weight of `weight_numel` elements runs the GEMV kernel
-    (else F.linear): compiled on a CUDA device, fp16/bf16, 1..max_rows rows (default DENSE_GEMV_MAX_ROWS), a weight
-    of at most DENSE_GEMV_MAX_WEIGHT elements. The interpreter runs it only in the kernel's tests."""
+    (else F.linear): compiled on a CUDA device with dependent launch on, fp16/bf16, 1..max_rows rows (default
+    DENSE_GEMV_MAX_ROWS), a weight of at most DENSE_GEMV_MAX_WEIGHT elements. The interpreter runs it only in the
+    kernel's tests."""
     limit = DENSE_GEMV_MAX_ROWS if max_rows is None else max_rows
     small_enough = DENSE_GEMV_MAX_WEIGHT is None or weight_numel <= DENSE_GEMV_MAX_WEIGHT
-    return (
-        not interpret and device.type == "cuda" and dtype in DENSE_GEMV_DTYPES and 1 <= rows <= limit and small_enough
-    )
+    if interpret or device.type != "cuda" or dtype not in DENSE_GEMV_DTYPES or not 1 <= rows <= limit:
+        return False
+    # Its edge over cuBLAS was measured with dependent launch (Hopper); other GPUs keep cuBLAS.
+    return small_enough and dependent_launch(device)["PDL"]
