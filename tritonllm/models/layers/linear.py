@@ -19,8 +19,8 @@ from tritonllm.quant.base import LinearMethod, QuantConfig, set_shard_axes
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y [..., N] = x [..., K] @ weight[N, K]^T (+ bias), as F.linear. A few rows on the GPU (decode) go through
-    the streaming GEMV kernel, which reads the weight closer to memory bandwidth than cuBLAS does there; every
+    """y [..., N] = x [..., K] @ weight[N, K]^T (+ bias), as F.linear. A decode row on a Hopper-class GPU goes
+    through the streaming GEMV kernel where `use_dense_gemv` says it beats cuBLAS (weights up to a size); every
     other call, and every CPU run, is F.linear. The choice reads shapes, dtypes and strides only (no sync)."""
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
