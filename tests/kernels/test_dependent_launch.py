@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from tests.helpers import DEVICE, assert_close, dtypes, randn, seeds
 from tests.kernels.test_paged_attention import make_batch
+from tests.kernels.test_rope import cos_sin_cache
 from tritonllm.kernels import dependent_launch as dl
 from tritonllm.kernels.activation import silu_and_mul, silu_and_mul_ref
 from tritonllm.kernels.dense_gemv import dense_gemv
@@ -82,14 +83,19 @@ def _replay_over_fresh_inputs(run, inputs, reference, seed):
             assert_close(out, want, scale=4.0)
 
 
+def _split_qkv(qkv, heads):
+    hq, hk, d = heads
+    return (
+        qkv[:, : hq * d].view(-1, hq, d),
+        qkv[:, hq * d : (hq + hk) * d].view(-1, hk, d),
+        qkv[:, (hq + hk) * d :].view(-1, hk, d),
+    )
+
+
 def _decode_attention(x, w_qkv, batch, positions, slots, cos_sin, heads):
     """qkv GEMV -> rotary with the KV write -> paged attention (split over KV, merged): one decode layer's
     attention, each kernel reading the one before (the GEMV loads weights before its wait)."""
-    hq, hk, d = heads
-    qkv = dense_gemv(x, w_qkv)
-    q = qkv[:, : hq * d].view(-1, hq, d)
-    k = qkv[:, hq * d : (hq + hk) * d].view(-1, hk, d)
-    v = qkv[:, (hq + hk) * d :].view(-1, hk, d)
+    q, k, v = _split_qkv(dense_gemv(x, w_qkv), heads)
     apply_rotary_and_cache(positions, q, k, v, cos_sin, True, batch.k_cache, batch.v_cache, slots)
     b = batch
     return paged_attention(
@@ -98,11 +104,7 @@ def _decode_attention(x, w_qkv, batch, positions, slots, cos_sin, heads):
 
 
 def _decode_attention_ref(x, w_qkv, batch, positions, slots, cos_sin, heads):
-    hq, hk, d = heads
-    qkv = (x.float() @ w_qkv.float().T).to(x.dtype)
-    q = qkv[:, : hq * d].view(-1, hq, d)
-    k = qkv[:, hq * d : (hq + hk) * d].view(-1, hk, d)
-    v = qkv[:, (hq + hk) * d :].view(-1, hk, d)
+    q, k, v = _split_qkv((x.float() @ w_qkv.float().T).to(x.dtype), heads)
     q, k = apply_rotary_ref(positions, q, k, cos_sin, True)
     k_cache, v_cache = batch.k_cache.clone(), batch.v_cache.clone()
     write_kv_cache_ref(k, v, k_cache, v_cache, slots)
@@ -122,9 +124,7 @@ def test_decode_attention_chain_sees_each_kernel_before(contexts, dtype, seed):
         [int(batch.block_tables[i, p // block_size]) * block_size + p % block_size for i, p in enumerate(positions)],
         device=DEVICE,
     )
-    inv_freq = 1.0 / 10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
-    angles = torch.arange(128, dtype=torch.float64)[:, None] * inv_freq[None, :]
-    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1).float().to(DEVICE)
+    cos_sin = cos_sin_cache(d)
     x = randn(len(contexts), hidden, dtype=dtype, seed=seed + 4)
     w_qkv = randn((hq + 2 * hk) * d, hidden, dtype=dtype, seed=seed + 5, scale=hidden**-0.5)
     rest = (batch, positions, slots, cos_sin, heads)

@@ -13,7 +13,7 @@ rotary_fractions = st.sampled_from([1.0, 0.5, 0.25])
 head_counts = st.sampled_from([(1, 1), (4, 2), (5, 5), (8, 1), (40, 8)])  # (q heads, kv heads)
 
 
-def _cache(rot_dim: int, base: float = 10000.0, max_pos: int = MAX_POS) -> torch.Tensor:
+def cos_sin_cache(rot_dim: int, base: float = 10000.0, max_pos: int = MAX_POS) -> torch.Tensor:
     # Built here, independently of the rotary layer: row p = [cos(p * inv_freq) | sin(p * inv_freq)].
     inv_freq = 1.0 / base ** (torch.arange(0, rot_dim, 2, dtype=torch.float64) / rot_dim)
     angles = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv_freq[None, :]
@@ -48,7 +48,7 @@ def test_apply_rotary_matches_ref_on_fused_qkv_views(
 ):
     hq, hk = heads
     rot_dim = _rot_dim(head_dim, fraction)
-    cache = _cache(rot_dim)
+    cache = cos_sin_cache(rot_dim)
     g = torch.Generator().manual_seed(seed)
     positions = torch.randint(0, MAX_POS, (tokens,), generator=g).to(pos_dtype).to(DEVICE)
     qkv, q, k = _fused_qkv(tokens, hq, hk, head_dim, dtype, seed, pad)
@@ -73,7 +73,7 @@ def test_apply_rotary_many_heads_span_several_head_blocks(heads, is_neox, dtype,
     # head_dim 128 packs 16 heads per program: q and k each spill over several head blocks.
     hq, hk = heads
     tokens, head_dim = 3, 128
-    cache = _cache(head_dim)
+    cache = cos_sin_cache(head_dim)
     positions = torch.tensor([MAX_POS - 1, 1, 77], device=DEVICE)
     qkv, q, k = _fused_qkv(tokens, hq, hk, head_dim, dtype, seed, pad=0)
     expected_q, expected_k = apply_rotary_ref(positions, q, k, cache, is_neox)
@@ -92,7 +92,7 @@ def test_apply_rotary_many_heads_span_several_head_blocks(heads, is_neox, dtype,
 def test_apply_rotary_is_a_rotation(tokens, head_dim, fraction, is_neox, seed):
     # fp32: each head's norm is preserved, dims past rot_dim pass through bit for bit, position 0 is the identity.
     rot_dim = _rot_dim(head_dim, fraction)
-    cache = _cache(rot_dim)
+    cache = cos_sin_cache(rot_dim)
     g = torch.Generator().manual_seed(seed)
     positions = torch.randint(0, MAX_POS, (tokens,), generator=g).to(DEVICE)
     positions[0] = 0
@@ -113,7 +113,7 @@ def test_apply_rotary_is_a_rotation(tokens, head_dim, fraction, is_neox, seed):
 def test_apply_rotary_neox_and_gptj_differ_only_by_pair_layout(dtype, seed):
     # gptj on an interleaved head equals neox on the same head de-interleaved: ties both layouts together.
     head_dim, tokens = 64, 7
-    cache = _cache(head_dim)
+    cache = cos_sin_cache(head_dim)
     positions = torch.arange(3, 3 + tokens, device=DEVICE)
     x = randn(tokens, 2, head_dim, dtype=dtype, seed=seed)
     perm = torch.cat([torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)])  # interleaved -> halves
@@ -140,7 +140,7 @@ def test_apply_rotary_and_cache_matches_rotary_then_cache_write(
 ):
     hq, hk = heads
     rot_dim = _rot_dim(head_dim, fraction)
-    cache = _cache(rot_dim)
+    cache = cos_sin_cache(rot_dim)
     g = torch.Generator().manual_seed(seed)
     positions = torch.randint(0, MAX_POS, (tokens,), generator=g).to(DEVICE)
     qkv, q, k = _fused_qkv(tokens, hq, hk, head_dim, dtype, seed, pad=3)
@@ -174,12 +174,12 @@ def test_apply_rotary_and_cache_rejects_a_mismatched_cache():
     cache = torch.zeros(2, 4, 1, 16, device=DEVICE)
     with pytest.raises(ValueError, match="cache holds 2 heads"):
         apply_rotary_and_cache(
-            positions, q, k, v, _cache(16), True, cache.repeat(1, 1, 2, 1), cache.repeat(1, 1, 2, 1), slots
+            positions, q, k, v, cos_sin_cache(16), True, cache.repeat(1, 1, 2, 1), cache.repeat(1, 1, 2, 1), slots
         )
     with pytest.raises(ValueError, match="slot_mapping must be int64"):
-        apply_rotary_and_cache(positions, q, k, v, _cache(16), True, cache, cache.clone(), slots.int())
+        apply_rotary_and_cache(positions, q, k, v, cos_sin_cache(16), True, cache, cache.clone(), slots.int())
     with pytest.raises(ValueError, match="rot_dim"):
-        apply_rotary_and_cache(positions, q, k, v, _cache(32), True, cache, cache.clone(), slots)
+        apply_rotary_and_cache(positions, q, k, v, cos_sin_cache(32), True, cache, cache.clone(), slots)
 
 
 def test_apply_rotary_rejects_bad_inputs():
@@ -187,12 +187,12 @@ def test_apply_rotary_rejects_bad_inputs():
     q = torch.randn(4, 2, 16, device=DEVICE)
     k = torch.randn(4, 1, 16, device=DEVICE)
     with pytest.raises(ValueError, match="float32"):
-        apply_rotary(positions, q, k, _cache(16).half(), True)
+        apply_rotary(positions, q, k, cos_sin_cache(16).half(), True)
     with pytest.raises(ValueError, match="rot_dim"):
-        apply_rotary(positions, q, k, _cache(32), True)
+        apply_rotary(positions, q, k, cos_sin_cache(32), True)
     with pytest.raises(ValueError, match="tokens"):
-        apply_rotary(positions[:3], q, k, _cache(16), True)
+        apply_rotary(positions[:3], q, k, cos_sin_cache(16), True)
     with pytest.raises(ValueError, match="contiguous in head_dim"):
-        apply_rotary(positions, q.transpose(1, 2), k, _cache(16), True)
+        apply_rotary(positions, q.transpose(1, 2), k, cos_sin_cache(16), True)
     with pytest.raises(ValueError, match=r"\[T, heads, head_dim\]"):
-        apply_rotary(positions, q.view(4, 32), k, _cache(16), True)
+        apply_rotary(positions, q.view(4, 32), k, cos_sin_cache(16), True)

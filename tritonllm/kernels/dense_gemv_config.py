@@ -163,8 +163,9 @@ def use_dense_gemv(
     DENSE_GEMV_MAX_ROWS), a weight of at most DENSE_GEMV_MAX_WEIGHT elements. The interpreter runs it only in the
     kernel's tests."""
     limit = DENSE_GEMV_MAX_ROWS if max_rows is None else max_rows
-    small_enough = DENSE_GEMV_MAX_WEIGHT is None or weight_numel <= DENSE_GEMV_MAX_WEIGHT
     if interpret or device.type != "cuda" or dtype not in DENSE_GEMV_DTYPES or not 1 <= rows <= limit:
         return False
+    if DENSE_GEMV_MAX_WEIGHT is not None and weight_numel > DENSE_GEMV_MAX_WEIGHT:
+        return False
     # Its edge over cuBLAS was measured with dependent launch (Hopper); other GPUs keep cuBLAS.
-    return small_enough and dependent_launch(device)["PDL"]
+    return dependent_launch(device)["PDL"]
