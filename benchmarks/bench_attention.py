@@ -751,7 +751,11 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=KV_HEADS, help="KV heads")
     parser.add_argument("--head-dim", type=int, default=HEAD_DIM, help="head size (the table is keyed by it)")
     parser.add_argument("--batches", default=None, help="comma-separated decode batch sizes (default: all)")
-    parser.add_argument("--sweep-decode", default=None, help="decode shapes the sweep times, e.g. 1x1024,64x8192")
+    parser.add_argument(
+        "--sweep-decode",
+        default=None,
+        help="decode shapes the sweep times, e.g. 1x1024,64x8192 (none: no decode shapes)",
+    )
     parser.add_argument("--sweep-prefill", default=None, help="prefill lengths the sweep times, e.g. 512,2048")
     parser.add_argument("--tiny", action="store_true", help="toy shapes: a smoke test that runs anywhere")
     parser.add_argument("--device", default=None)
@@ -761,7 +765,11 @@ def main() -> None:
     if args.batches:
         shapes = dataclasses.replace(shapes, batches=tuple(int(b) for b in args.batches.split(",")))
     if args.sweep_decode:
-        pairs = tuple(tuple(int(v) for v in shape.split("x")) for shape in args.sweep_decode.split(","))
+        pairs = (
+            ()
+            if args.sweep_decode == "none"
+            else tuple(tuple(int(v) for v in shape.split("x")) for shape in args.sweep_decode.split(","))
+        )
         shapes = dataclasses.replace(shapes, sweep_decode=pairs)
     if args.sweep_prefill:
         shapes = dataclasses.replace(shapes, sweep_prefill=tuple(int(v) for v in args.sweep_prefill.split(",")))

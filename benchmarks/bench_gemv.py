@@ -11,7 +11,7 @@ on the host; the bytes each must move (weight + x + y) over that time, that rate
 bandwidth measured in the same run, the speed-up over F.linear, and eager calls with L2 flushed (host launch
 overhead included) for reference.
 `--sweep` times a pruned grid of launches (stage 1: tile shapes with the automatic split-K; stage 2: the three
-best with split_k 1, 2, 4, 8), checks each result against the fp32 reference, and prints the best per
+best with split_k 1, 2, 3, 4, 6, 8), checks each result against the fp32 reference, and prints the best per
 (M, shape). Writes gemv.json / gemv.md (gemv_sweep.* for --sweep) to --out.
 """
 
@@ -62,7 +62,7 @@ SHAPES = {  # (K, N)
 MS = (1, 2, 4, 8, 16)
 SMOKE_SHAPES = {"tiny": (96, 40)}
 SMOKE_MS = (1, 5)
-SPLITS = (1, 2, 4, 8)
+SPLITS = (1, 2, 3, 4, 6, 8)
 _SMEM_LIMIT = 227 * 1024  # shared memory one Hopper CTA may use
 
 

@@ -63,7 +63,6 @@ def _quant_gemv_kernel(
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    wait_for_previous_kernel(PDL)
     PACK: tl.constexpr = 32 // BITS
     KW: tl.constexpr = BLOCK_K // PACK  # word rows per tile
     row = tl.program_id(0)
@@ -88,6 +87,8 @@ def _quant_gemv_kernel(
                 qzeros_ptr, scales_ptr, k_start // GROUP_SIZE, mask_n & (offs_n * 0 + k_start < k_end), offs_n,
                 stride_qz_g, stride_qz_n, stride_s_g, stride_s_n, BITS, ZERO_OFFSET,
             )  # fmt: skip
+    # Weights, scales and zeros are no earlier kernel's output: the first tile is in flight while it drains.
+    wait_for_previous_kernel(PDL)
     for k0 in range(k_start, k_end, BLOCK_K):
         k1 = k0 + BLOCK_K
         if PREFETCH:
