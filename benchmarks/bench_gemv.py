@@ -9,7 +9,8 @@ per call of dense_gemv with its default launch and of F.linear (cuBLAS), timed a
 of calls over copies of the weight that together pass L2 (`stream_us`), so every call reads HBM and nothing waits
 on the host; the bytes each must move (weight + x + y) over that time, that rate as a fraction of the copy
 bandwidth measured in the same run, the speed-up over F.linear, and eager calls with L2 flushed (host launch
-overhead included) for reference.
+overhead included) for reference. For gate_up it also times the gated launch (the projection and SiLU-and-mul in
+one kernel, `dense_gemv(activation="silu")`) against F.linear + silu_and_mul, the two kernels it replaces.
 `--sweep` times a pruned grid of launches (stage 1: tile shapes with the automatic split-K; stage 2: the three
 best with split_k 1, 2, 3, 4, 6, 8), checks each result against the fp32 reference, and prints the best per
 (M, shape). Writes gemv.json / gemv.md (gemv_sweep.* for --sweep) to --out.
@@ -41,7 +42,8 @@ from bench_utils import (  # noqa: E402
     write_results,
 )
 
-from tritonllm.kernels.dense_gemv import dense_gemv, dense_gemv_ref  # noqa: E402
+from tritonllm.kernels.activation import silu_and_mul  # noqa: E402
+from tritonllm.kernels.dense_gemv import dense_gemv, dense_gemv_ref, gated_dense_gemv_ref  # noqa: E402
 from tritonllm.kernels.dense_gemv_config import (  # noqa: E402
     MAX_TILE_NUMEL,
     GemvConfig,
@@ -60,7 +62,7 @@ SHAPES = {  # (K, N)
     "lm_head": (4096, 128256),
 }
 MS = (1, 2, 4, 8, 16)
-SMOKE_SHAPES = {"tiny": (96, 40)}
+SMOKE_SHAPES = {"tiny": (96, 40), "gate_up": (96, 80)}  # gate_up: the gated row too
 SMOKE_MS = (1, 5)
 SPLITS = (1, 2, 3, 4, 6, 8)
 _SMEM_LIMIT = 227 * 1024  # shared memory one Hopper CTA may use
@@ -88,6 +90,21 @@ def _gemv_call(x: torch.Tensor, out: torch.Tensor, cfg: GemvConfig | None = None
 
 def _linear_call(x: torch.Tensor) -> Callable[[torch.Tensor], object]:
     return lambda w: F.linear(x, w)
+
+
+def gated_row(m: int, k: int, n: int, dtype: torch.dtype, device: torch.device) -> dict:
+    """gate_up + SiLU-and-mul: the gated launch against F.linear + silu_and_mul, both timed over weight copies."""
+    x, w = _tensors(m, k, n, dtype, device)
+    y = dense_gemv(x, w, activation="silu")
+    err = (y.float() - gated_dense_gemv_ref(x, w, "silu").float()).abs().max().item()
+    out = torch.empty_like(y)
+    weights = stream_copies(w)
+    with torch.inference_mode():
+        fused = stream_us(lambda wc: dense_gemv(x, wc, out=out, activation="silu"), weights, device)
+        unfused = stream_us(lambda wc: silu_and_mul(F.linear(x, wc)), weights, device)
+    log(f"M={m:<3} gate_up+silu  gated gemv {fused:8.1f} us  F.linear + silu_and_mul {unfused:8.1f} us  "
+        f"x{unfused / fused:.2f}  (max err {err:.3g})")  # fmt: skip
+    return {"m": m, "gated_gemv_us": fused, "f_linear_silu_and_mul_us": unfused, "max_abs_err": err}
 
 
 def run_default(shapes, ms, dtype, device, bandwidth, rep_ms: float) -> dict:
@@ -131,7 +148,14 @@ def run_default(shapes, ms, dtype, device, bandwidth, rep_ms: float) -> dict:
             )
     headers = ["M", "shape", "gemv us", "F.linear us", "gemv GB/s", "gemv of copy bw", "F.linear of copy bw",
                "speedup", "gemv eager us", "F.linear eager us", "launch"]  # fmt: skip
-    return {"results": records, "markdown": markdown_table(headers, rows)}
+    gated = [gated_row(m, *shapes["gate_up"], dtype, device) for m in ms] if "gate_up" in shapes else []
+    gated_md = markdown_table(
+        ["M", "gated gemv us", "F.linear + silu_and_mul us", "speedup"],
+        [[g["m"], g["gated_gemv_us"], g["f_linear_silu_and_mul_us"],
+          f"{g['f_linear_silu_and_mul_us'] / g['gated_gemv_us']:.2f}x"] for g in gated],
+    )  # fmt: skip
+    markdown = markdown_table(headers, rows) + ("\n\ngate_up + SiLU-and-mul:\n\n" + gated_md if gated else "")
+    return {"results": records, "gated": gated, "markdown": markdown}
 
 
 def sweep_candidates(m: int, dtype: torch.dtype) -> list[GemvConfig]:

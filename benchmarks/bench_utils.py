@@ -112,7 +112,14 @@ def add_dense_gemv_args(p: argparse.ArgumentParser) -> None:
         "--dense-gemv-max-weight",
         type=int,
         default=None,
-        help="Override DENSE_GEMV_MAX_WEIGHT: the GEMV only for weights of at most this many elements.",
+        help="Override DENSE_GEMV_MAX_WEIGHT: the GEMV only for weights of at most this many elements (-1: any).",
+    )
+    p.add_argument(
+        "--gated-gemv-max-weight",
+        type=int,
+        default=None,
+        help="Override GATED_GEMV_MAX_WEIGHT: gate_up + activation fused for weights up to this size (0: never, "
+        "-1: any).",
     )
 
 
@@ -120,7 +127,9 @@ def apply_dense_gemv_args(args: argparse.Namespace) -> None:
     if args.dense_gemv_max_rows is not None:
         dense_gemv_config.DENSE_GEMV_MAX_ROWS = args.dense_gemv_max_rows
     if args.dense_gemv_max_weight is not None:
-        dense_gemv_config.DENSE_GEMV_MAX_WEIGHT = args.dense_gemv_max_weight
+        dense_gemv_config.DENSE_GEMV_MAX_WEIGHT = None if args.dense_gemv_max_weight < 0 else args.dense_gemv_max_weight
+    if args.gated_gemv_max_weight is not None:
+        dense_gemv_config.GATED_GEMV_MAX_WEIGHT = None if args.gated_gemv_max_weight < 0 else args.gated_gemv_max_weight
 
 
 def environment(device: torch.device) -> dict[str, Any]:
@@ -137,6 +146,7 @@ def environment(device: torch.device) -> dict[str, Any]:
         "dense_gemv": {
             "max_rows": dense_gemv_config.DENSE_GEMV_MAX_ROWS,
             "max_weight": dense_gemv_config.DENSE_GEMV_MAX_WEIGHT,
+            "gated_max_weight": dense_gemv_config.GATED_GEMV_MAX_WEIGHT,
         },
     }
     try:

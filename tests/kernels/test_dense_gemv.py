@@ -1,6 +1,6 @@
 """Dense GEMV y = x @ W^T (+ bias) for 1..16 rows: both compute paths, split-K (reduced inside the launch,
-counters reset), odd shapes, strided x and out, the launch heuristics, the errors, and when linear layers take
-the kernel instead of F.linear."""
+counters reset), odd shapes, strided x and out, the gated activation fused in (gate_up + SiLU / GELU), the launch
+heuristics, the errors, and when linear layers take the kernel instead of F.linear."""
 
 import math
 
@@ -13,8 +13,9 @@ from hypothesis import strategies as st
 import tritonllm.kernels.dense_gemv_config as dense_gemv_config
 import tritonllm.models.layers.linear as linear_module
 from tests.helpers import DEVICE, TOLERANCES, dtypes, randn, seeds
+from tritonllm.kernels.activation import GATED_ACTIVATIONS
 from tritonllm.kernels.arrival_counters import _COUNTERS
-from tritonllm.kernels.dense_gemv import dense_gemv, dense_gemv_ref
+from tritonllm.kernels.dense_gemv import dense_gemv, dense_gemv_ref, gated_dense_gemv_ref
 from tritonllm.kernels.dense_gemv_config import (
     DENSE_GEMV_MAX_ROWS,
     MAX_GEMV_ROWS,
@@ -23,6 +24,7 @@ from tritonllm.kernels.dense_gemv_config import (
     gemv_config,
     k_span,
     use_dense_gemv,
+    use_gated_gemv,
 )
 
 # Small tiles so odd shapes span several N tiles, K tiles and splits; "auto" is the interpreter's own launch.
@@ -121,6 +123,57 @@ def test_leading_dims_flatten_into_rows():
     _assert_matches(y, x, w)
 
 
+def _assert_gated_matches(y, x, w, activation, bias=None):
+    # Fused and unfused round the same fp32 sums (in another order) to x's dtype before the activation, so an
+    # output may differ by a rounding step of gate, of up and of the product.
+    expected = gated_dense_gemv_ref(x, w, activation, bias)
+    tol = TOLERANCES[x.dtype]
+    torch.testing.assert_close(
+        y.float(), expected.float(), atol=tol["atol"] * math.sqrt(x.shape[-1]), rtol=3 * tol["rtol"]
+    )
+
+
+@given(
+    seed=seeds(),
+    m=st.integers(1, MAX_GEMV_ROWS),
+    inter=st.integers(1, 150),
+    k=st.integers(1, 300),
+    dtype=dtypes,
+    has_bias=st.booleans(),
+    path=st.sampled_from(list(PATHS)),
+    prefetch=st.booleans(),
+    activation=st.sampled_from(GATED_ACTIVATIONS),
+)
+@example(seed=5, m=1, inter=37, k=300, dtype=torch.bfloat16, has_bias=False, path="cuda", prefetch=True,
+         activation="silu")  # fmt: skip
+@example(seed=6, m=16, inter=150, k=77, dtype=torch.float16, has_bias=True, path="dot", prefetch=False,
+         activation="gelu_tanh")  # fmt: skip
+def test_gated_gemv_matches_projection_then_activation(seed, m, inter, k, dtype, has_bias, path, prefetch,
+                                                       activation):  # fmt: skip
+    x = randn(m, k, dtype=dtype, seed=seed)
+    w = randn(2 * inter, k, dtype=dtype, seed=seed + 1, scale=2 / math.sqrt(k))  # gates of either sign, |g| ~ 2
+    bias = randn(2 * inter, dtype=dtype, seed=seed + 2) if has_bias else None
+    # A split config is refused nothing: the gated launch never splits K.
+    y = dense_gemv(x, w, bias, config=_config(path, 3, prefetch), activation=activation)
+    assert y.dtype == dtype and y.shape == (m, inter)
+    _assert_gated_matches(y, x, w, activation, bias)
+
+
+def test_gated_gemv_pairs_each_output_with_its_own_rows():
+    # Outputs past the first program's tile, a last partial tile, and a strided, wider out buffer: every output j
+    # must combine gate row j with up row I + j, and nothing outside out may be written.
+    m, inter, k = 2, 21, 64
+    x = randn(m, k, dtype=torch.float32, seed=30)
+    w = randn(2 * inter, k, dtype=torch.float32, seed=31, scale=0.25)
+    buf = torch.full((m, inter + 2), 7.0, dtype=torch.float32, device=DEVICE)
+    out = buf[:, 1 : 1 + inter]
+    dense_gemv(x, w, out=out, config=GemvConfig(4, 32, 1, 4, 1, False), activation="silu")
+    _assert_gated_matches(out, x, w, "silu")
+    assert buf[:, 0].eq(7).all() and buf[:, -1].eq(7).all()
+    swapped = torch.cat([w[inter:], w[:inter]])  # up and gate exchanged: a different function of x
+    assert not torch.allclose(out, gated_dense_gemv_ref(x, swapped, "silu"), atol=1e-3)
+
+
 def _z(*shape, dtype=torch.float16):
     return torch.ones(shape, dtype=dtype, device=DEVICE)
 
@@ -149,6 +202,10 @@ def _z(*shape, dtype=torch.float16):
         ((_z(2, 8), _z(4, 8)), {"config": GemvConfig(8, 32, 1, 4, 1, True)}, ">= 16"),
         ((_z(2, 8), _z(4, 8)), {"config": GemvConfig(1024, 2048, 1, 4, 1, False)}, "exceeds"),
         ((_z(2, 8), _z(4, 8)), {"config": (16, 32, 1, 4, 1, False)}, "must be a GemvConfig"),
+        ((_z(2, 8), _z(4, 8)), {"activation": "relu"}, "activation must be None or one of silu, gelu_tanh"),
+        ((_z(2, 8), _z(5, 8)), {"activation": "silu"}, "an even N"),
+        ((_z(2, 8), _z(4, 8)), {"activation": "silu", "out": _z(2, 4)}, "out must be"),
+        ((_z(2, 8), _z(4, 8)), {"activation": "silu", "config": GemvConfig(1, 32, 1, 4, 1, False)}, "block_n >= 2"),
     ],
 )
 def test_bad_inputs_are_refused(args, kwargs, message):
@@ -168,9 +225,9 @@ def test_hopper_launch_heuristics(dtype):
             check_gemv_config(cfg, m)
             assert cfg.use_dot == (m > 4)
             if (k, n) in SHAPES.values():
-                # Every SM gets work, and each row's slice of a weight tile is 256 B to 2 KB of contiguous loads.
+                # Every SM gets work, and each row's slice of a weight tile is 256 B to 4 KB of contiguous loads.
                 assert -(-n // cfg.block_n) * cfg.split_k >= sms
-                assert 256 <= cfg.block_k * dtype.itemsize <= 2048
+                assert 256 <= cfg.block_k * dtype.itemsize <= 4096
             if not cfg.use_dot:
                 assert cfg.block_k >= k_span(dtype, cfg.num_warps)  # register-resident accumulator
 
@@ -215,6 +272,35 @@ def test_dispatch_rule_weight_limit(monkeypatch):
     assert not use_dense_gemv(1, cuda, torch.bfloat16, False, max_rows=1, weight_numel=4096 * 6144 + 1)
     monkeypatch.setattr(dense_gemv_config, "DENSE_GEMV_MAX_WEIGHT", None)
     assert use_dense_gemv(1, cuda, torch.bfloat16, False, max_rows=1, weight_numel=4096 * 128256)
+
+
+def test_gated_dispatch_rule_has_its_own_weight_limit(monkeypatch):
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(dense_gemv_config, "dependent_launch", lambda device: {"PDL": True})
+    monkeypatch.setattr(dense_gemv_config, "DENSE_GEMV_MAX_WEIGHT", 100)
+    monkeypatch.setattr(dense_gemv_config, "GATED_GEMV_MAX_WEIGHT", None)
+    assert use_gated_gemv(1, cuda, torch.bfloat16, False, max_rows=1, weight_numel=4096 * 28672)
+    assert not use_dense_gemv(1, cuda, torch.bfloat16, False, max_rows=1, weight_numel=4096 * 28672)
+    assert not use_gated_gemv(2, cuda, torch.bfloat16, False, max_rows=1, weight_numel=64)
+    assert not use_gated_gemv(1, cuda, torch.bfloat16, True, max_rows=1, weight_numel=64)  # interpreter
+    monkeypatch.setattr(dense_gemv_config, "GATED_GEMV_MAX_WEIGHT", 0)  # off
+    assert not use_gated_gemv(1, cuda, torch.bfloat16, False, max_rows=1, weight_numel=64)
+    monkeypatch.setattr(dense_gemv_config, "GATED_GEMV_MAX_WEIGHT", None)
+    monkeypatch.setattr(dense_gemv_config, "dependent_launch", lambda device: {"PDL": False})
+    assert not use_gated_gemv(1, cuda, torch.bfloat16, False, max_rows=1, weight_numel=64)
+
+
+def test_gated_linear_fuses_where_the_rule_allows(monkeypatch):
+    w = randn(2 * 24, 40, dtype=torch.float16, seed=19, scale=0.3)
+    bias = randn(2 * 24, dtype=torch.float16, seed=20)
+    x = randn(1, 1, 40, dtype=torch.float16, seed=21)
+    assert linear_module.gated_linear(x, w, "silu", bias) is None  # CPU / interpreter: the caller runs both
+    monkeypatch.setattr(linear_module, "use_gated_gemv", lambda rows, device, dtype, weight_numel: rows == 1)
+    y = linear_module.gated_linear(x, w, "silu", bias)
+    assert y.shape == (1, 1, 24)
+    _assert_gated_matches(y.view(1, 24), x.view(1, 40), w, "silu", bias)
+    assert linear_module.gated_linear(randn(2, 40, dtype=torch.float16, seed=22), w, "silu", bias) is None
+    assert linear_module.gated_linear(x, w.float(), "silu") is None  # mismatched dtypes: left to F.linear
 
 
 def test_linear_on_cpu_is_f_linear():

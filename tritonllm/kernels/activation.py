@@ -9,6 +9,20 @@ from tritonllm.kernels.dependent_launch import dependent_launch, wait_for_previo
 from tritonllm.platform import check_kernel_device
 
 _MAX_BLOCK = 1024
+GATED_ACTIVATIONS = ("silu", "gelu_tanh")  # what `gated_activation` computes
+
+
+@triton.jit
+def gated_activation(gate, up, ACTIVATION: tl.constexpr):
+    """act(gate) * up in fp32 for gate and up of the model's dtype ("silu" | "gelu_tanh"). The activation is
+    rounded to that dtype before the product, as HF's act_fn(gate) * up rounds it."""
+    g = gate.to(tl.float32)
+    if ACTIVATION == "silu":
+        act = g * tl.sigmoid(g)
+    else:
+        # 0.5 g (1 + tanh(z)) = g * sigmoid(2z), z = sqrt(2/pi) (g + 0.044715 g^3): no tanh needed
+        act = g * tl.sigmoid(1.5957691216057308 * (g + 0.044715 * g * g * g))
+    return act.to(gate.dtype).to(tl.float32) * up.to(tl.float32)
 
 
 @triton.jit
@@ -28,16 +42,9 @@ def _act_and_mul_kernel(
     mask = cols < I
     gate_ptrs = x_ptr + row * stride_x_row + cols
     gate = tl.load(gate_ptrs, mask=mask, other=0.0)
-    up = tl.load(gate_ptrs + I, mask=mask, other=0.0).to(tl.float32)
-    g = gate.to(tl.float32)
-    if ACTIVATION == "silu":
-        act = g * tl.sigmoid(g)
-    else:
-        # 0.5 g (1 + tanh(z)) = g * sigmoid(2z), z = sqrt(2/pi) (g + 0.044715 g^3): no tanh needed
-        act = g * tl.sigmoid(1.5957691216057308 * (g + 0.044715 * g * g * g))
-    # Round the activation to the input dtype before the product, as HF (act_fn(gate) * up) does.
-    act = act.to(gate.dtype).to(tl.float32)
-    tl.store(out_ptr + row * stride_out_row + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+    up = tl.load(gate_ptrs + I, mask=mask, other=0.0)
+    out = gated_activation(gate, up, ACTIVATION)
+    tl.store(out_ptr + row * stride_out_row + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _act_and_mul(x: torch.Tensor, activation: str) -> torch.Tensor:

@@ -1,4 +1,6 @@
 """Dense GEMV for a few rows (decode): y[M, N] = x[M, K] @ W[N, K]^T (+ bias), fp16 / bf16 / fp32, M <= 16.
+With a gated activation it is the MLP's gate_up projection and its activation in one launch:
+y[M, I] = act(x @ W[:I]^T) * (x @ W[I:]^T) for W = [gate; up] of 2I rows, no [M, 2I] intermediate.
 
 At a few rows a linear layer reads every weight once and does two flops per weight read: it is bound by memory
 bandwidth, and cuBLAS reaches only part of it there. Each program owns BLOCK_N weight rows (output columns) and
@@ -13,13 +15,21 @@ rounding to x's dtype on store. Two compute paths (dense_gemv_config.py chooses,
   * tl.dot: acc[n, m] = W tile @ x tile^T, the weight tile as the MMA's M side and the rows padded to 16 as its
     N side; Triton's software pipeline keeps num_stages tiles in flight.
 Split-K partial sums are added inside the same launch by the last program of each N tile to finish
-(`store_output`, quant_gemm_common.py): deterministic, no second kernel, counters left zeroed.
+(`store_output`, quant_gemm_common.py): deterministic, no second kernel, counters left zeroed. The gated launch
+interleaves each output's gate and up rows in a program's BLOCK_N weight rows and is never split (its 2I rows are
+a layer's widest output, enough programs without it).
 """
 
 import torch
 import triton
 import triton.language as tl
 
+from tritonllm.kernels.activation import (
+    GATED_ACTIVATIONS,
+    gated_activation,
+    gelu_tanh_and_mul_ref,
+    silu_and_mul_ref,
+)
 from tritonllm.kernels.arrival_counters import arrival_counters
 from tritonllm.kernels.dense_gemv_config import (
     MAX_GEMV_ROWS,
@@ -55,6 +65,7 @@ def _dense_gemv_kernel(
     stride_out_m,
     stride_out_n,
     HAS_BIAS: tl.constexpr,
+    ACTIVATION: tl.constexpr,  # "": y = x @ W^T; "silu" | "gelu_tanh": the gated output, N = I
     SPLIT: tl.constexpr,
     USE_DOT: tl.constexpr,
     PREFETCH: tl.constexpr,
@@ -68,10 +79,16 @@ def _dense_gemv_kernel(
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < M
     # Weight rows past N re-read row N - 1 (in bounds, never stored): the weight loads need no row mask.
-    w_rows = tl.minimum(offs_n, N - 1).to(tl.int64) * stride_w_n
+    if ACTIVATION == "":
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        w_idx = tl.minimum(offs_n, N - 1)
+    else:  # BLOCK_N // 2 outputs; weight row 2j is output j's gate row, 2j + 1 its up row (I = N rows later)
+        offs_r = tl.arange(0, BLOCK_N)
+        w_idx = tl.minimum(pid_n * (BLOCK_N // 2) + offs_r // 2, N - 1) + (offs_r % 2) * N
+        offs_n = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    w_rows = w_idx.to(tl.int64) * stride_w_n
     x_rows = offs_m.to(tl.int64) * stride_x_m
     k_start = pid_s * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
@@ -112,14 +129,24 @@ def _dense_gemv_kernel(
             acc += cur.to(tl.float32) * x.to(tl.float32)
         y = tl.sum(acc, axis=2)
 
+    if ACTIVATION != "":
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + w_idx)[None, :].to(tl.float32)
+        gate, up = tl.split(tl.reshape(y, (BLOCK_M, BLOCK_N // 2, 2)))
+        # Rounded to the output dtype first, as the unfused projection's output is.
+        y = gated_activation(gate.to(out_ptr.dtype.element_ty), up.to(out_ptr.dtype.element_ty), ACTIVATION)
     store_output(
         y, offs_m, offs_n, pid_n, pid_s, M, N, split_k, stride_p_s, bias_ptr, out_ptr, partial_ptr, lock_ptr,
-        stride_out_m, stride_out_n, HAS_BIAS, SPLIT,
+        stride_out_m, stride_out_n, HAS_BIAS and ACTIVATION == "", SPLIT,
     )  # fmt: skip
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, int, int, int]:
+def _check(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None
+) -> tuple[torch.Tensor, int, int, int]:
     """x as [M, K] (a view, never a copy) and (M, N, K), or a ValueError naming the problem and the fix."""
+    if activation is not None and activation not in GATED_ACTIVATIONS:
+        raise ValueError(f"activation must be None or one of {', '.join(GATED_ACTIVATIONS)}, got {activation!r}")
     if x.dtype not in _DTYPES:
         raise ValueError(f"x must be float16, bfloat16 or float32, got {x.dtype}")
     if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
@@ -132,6 +159,8 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
         raise ValueError(f"x must be [M, K={k}] to match weight {tuple(weight.shape)}, got {tuple(x.shape)}")
     if n == 0 or k == 0:
         raise ValueError(f"N and K must be positive, got weight {tuple(weight.shape)}")
+    if activation is not None and n % 2:
+        raise ValueError(f"a gated activation needs weight = [gate; up] (an even N), got {n} rows")
     if x.stride(-1) != 1 or weight.stride(-1) != 1:
         raise ValueError(
             f"x and weight need a contiguous last dim (strides {x.stride()} and {weight.stride()}); "
@@ -160,14 +189,21 @@ def dense_gemv(
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     config: GemvConfig | None = None,
+    activation: str | None = None,
 ) -> torch.Tensor:
     """y[m, n] = sum_k x[m, k] * weight[n, k] (+ bias[n]) for 1 <= M <= 16 rows, like F.linear.
 
     x [M, K] (or leading dims that flatten to rows without a copy) and weight [N, K] need a contiguous last dim;
     x, weight and bias share one dtype (fp16, bf16 or fp32); fp32 accumulation; y has x's dtype and shape
-    [..., N], written into `out` when given. `config` overrides the launch heuristics (dense_gemv_config.py).
+    [..., N], written into `out` when given. `config` overrides the launch heuristics (dense_gemv_config.py);
+    its block_n counts weight rows.
+    With `activation` ("silu" or "gelu_tanh") weight is [gate; up] of 2I rows and y [..., I] is
+    act(gate) * up, as silu_and_mul / gelu_tanh_and_mul give on the projection's output (bias added first).
     """
-    x2, m, n, k = _check(x, weight, bias)
+    x2, m, n, k = _check(x, weight, bias, activation)
+    gated = activation is not None
+    if gated:
+        n //= 2  # outputs
     shape = (*x.shape[:-1], n)
     if out is None:
         out = torch.empty(shape, dtype=x.dtype, device=x.device)
@@ -182,13 +218,13 @@ def dense_gemv(
         raise ValueError(
             f"out's leading dims must flatten to rows without a copy, got strides {out.stride()}"
         ) from None
-    cfg = config or gemv_config(m, n, k, x.dtype, num_sms(x.device.index or 0))
-    check_gemv_config(cfg, m)
+    cfg = config or gemv_config(m, weight.shape[0], k, x.dtype, num_sms(x.device.index or 0))
+    check_gemv_config(cfg, m, gated)
 
-    split = cfg.split_k if m * n < 2**31 else 1  # split-K offsets within a split are int32
+    split = cfg.split_k if m * n < 2**31 and not gated else 1  # split-K offsets within a split are int32
     k_per_split = triton.cdiv(triton.cdiv(k, split), cfg.block_k) * cfg.block_k
     split_k = triton.cdiv(k, k_per_split)  # no empty splits
-    grid = (triton.cdiv(n, cfg.block_n), split_k)
+    grid = (triton.cdiv(n, cfg.block_n // 2 if gated else cfg.block_n), split_k)
     if split_k > 1:
         partial = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)  # [SPLIT_K, M, N]
         locks = arrival_counters(x.device, grid[0])
@@ -198,6 +234,7 @@ def dense_gemv(
         x2, weight, bias if bias is not None else weight, out2, partial, locks,
         m, n, k, k_per_split, split_k, m * n, x2.stride(0), weight.stride(0), out2.stride(0), out2.stride(1),
         HAS_BIAS=bias is not None,
+        ACTIVATION=activation or "",
         SPLIT=split_k > 1,
         USE_DOT=cfg.use_dot,
         PREFETCH=cfg.num_stages > 1,
@@ -217,3 +254,13 @@ def dense_gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     """Float32 x @ weight^T (+ bias)."""
     y = x.float() @ weight.float().T
     return y if bias is None else y + bias.float()
+
+
+_GATED_REFS = {"silu": silu_and_mul_ref, "gelu_tanh": gelu_tanh_and_mul_ref}
+
+
+def gated_dense_gemv_ref(
+    x: torch.Tensor, weight: torch.Tensor, activation: str, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The unfused path: the projection rounded to x's dtype, then the activation kernel's reference (x's dtype)."""
+    return _GATED_REFS[activation](dense_gemv_ref(x, weight, bias).to(x.dtype))

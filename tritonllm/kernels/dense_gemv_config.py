@@ -42,7 +42,11 @@ MAX_GEMV_ROWS = 16  # dense_gemv's limit: the rows fit one 16-row MMA tile
 # elements (64 MiB in bf16: the 8B's qkv and o, not gate_up, down or the LM head), and only where dependent
 # launch is on: elsewhere (GPUs before Hopper, TRITONLLM_PDL=0) it was never measured ahead of cuBLAS.
 DENSE_GEMV_MAX_ROWS = 1
-DENSE_GEMV_MAX_WEIGHT: int | None = 2**25
+DENSE_GEMV_MAX_WEIGHT: int | None = 2**27  # TODO(bench): the 8B's layers but not its LM head, M = 1 launch re-swept
+# The gated MLP's gate_up projection with its activation fused into the GEMV (dense_gemv(activation=...)): the
+# same rows, its own weight limit, since besides the projection it saves the activation kernel and the [M, 2I]
+# intermediate. TODO(bench): measured against F.linear + the activation kernel in a decode step.
+GATED_GEMV_MAX_WEIGHT: int | None = None
 DENSE_GEMV_DTYPES = (torch.float16, torch.bfloat16)  # what linear layers send to it (fp32 stays on F.linear)
 MAX_TILE_NUMEL = 2**20  # Triton's largest tensor; the CUDA-core accumulator is BLOCK_M * BLOCK_N * BLOCK_K
 
@@ -111,12 +115,18 @@ def gemv_config(m: int, n: int, k: int, dtype: torch.dtype, num_sms: int, interp
     """The launch for y[m, n] = x[m, k] @ W[n, k]^T at 1 <= m <= 16 rows on a GPU of `num_sms` SMs."""
     if interpret:
         return _interpreter_config(m, n, k)
-    if m <= CUDA_CORE_MAX_ROWS:
+    if m == 1:
+        # 4 weight rows, 8 warps, one 16-byte load per thread and row per tile (4 KB of each weight row), no
+        # prefetch: 32 fp32 accumulators per thread, so many programs per SM keep loads in flight. Swept on an
+        # H200 with dependent launch (bench_gemv.py --sweep, M = 1): best on gate_up and down (55.9 and 29.2 us,
+        # 99% and 95% of copy bandwidth; cuBLAS 63.2 and 32.3), where 8 rows with 4 warps and a prefetch took
+        # 59.4 and 34.9.
+        cfg = GemvConfig(4, k_span(dtype, 8), 1, 8, 1, use_dot=False)
+    elif m <= CUDA_CORE_MAX_ROWS:
         # 4 warps, one 16-byte load per thread and row per tile (2 KB of each weight row), the next tile loaded
-        # one iteration ahead. 8 weight rows per program at one row, 4 beyond: 64-128 fp32 accumulators per
-        # thread, and each x row loaded feeds 4-8 weight rows.
+        # one iteration ahead, 4 weight rows: 64-128 fp32 accumulators per thread, each x row feeds 4 rows.
         warps = 4
-        cfg = GemvConfig(8 if m == 1 else 4, k_span(dtype, warps), 1, warps, 2, use_dot=False)
+        cfg = GemvConfig(4, k_span(dtype, warps), 1, warps, 2, use_dot=False)
     else:
         # 64 weight rows (one wgmma per warpgroup), 256 bytes of each per tile, 4 stages: 80 KB of shared memory
         # at 16 bits, two programs per SM.
@@ -125,7 +135,7 @@ def gemv_config(m: int, n: int, k: int, dtype: torch.dtype, num_sms: int, interp
     return GemvConfig(cfg.block_n, cfg.block_k, split, cfg.num_warps, cfg.num_stages, cfg.use_dot)
 
 
-def check_gemv_config(cfg: GemvConfig, m: int) -> None:
+def check_gemv_config(cfg: GemvConfig, m: int, gated: bool = False) -> None:
     """Refuse a launch the kernel cannot run (a wrong explicit config), naming the field to change."""
     if not isinstance(cfg, GemvConfig):
         raise ValueError(f"config must be a GemvConfig, got {type(cfg).__name__}")
@@ -139,6 +149,8 @@ def check_gemv_config(cfg: GemvConfig, m: int) -> None:
         v = getattr(cfg, name)
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"config.{name} must be an int >= 1, got {v!r}")
+    if gated and cfg.block_n < 2:
+        raise ValueError("a gated activation needs block_n >= 2 (each output's gate and up rows)")
     if cfg.use_dot and min(cfg.block_n, cfg.block_k) < 16:
         raise ValueError(f"tl.dot needs block_n and block_k >= 16, got {cfg.block_n} and {cfg.block_k}")
     bm = block_m(m, cfg.use_dot)
@@ -162,10 +174,28 @@ def use_dense_gemv(
     (else F.linear): compiled on a CUDA device with dependent launch on, fp16/bf16, 1..max_rows rows (default
     DENSE_GEMV_MAX_ROWS), a weight of at most DENSE_GEMV_MAX_WEIGHT elements. The interpreter runs it only in the
     kernel's tests."""
+    return _use_gemv(rows, device, dtype, interpret, max_rows, weight_numel, DENSE_GEMV_MAX_WEIGHT)
+
+
+def use_gated_gemv(
+    rows: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    interpret: bool = INTERPRET,
+    max_rows: int | None = None,
+    *,
+    weight_numel: int = 0,
+) -> bool:
+    """Whether a gated MLP's [gate; up] projection runs as one GEMV launch with its activation fused (else
+    F.linear + the activation kernel): as `use_dense_gemv`, with GATED_GEMV_MAX_WEIGHT as the size limit."""
+    return _use_gemv(rows, device, dtype, interpret, max_rows, weight_numel, GATED_GEMV_MAX_WEIGHT)
+
+
+def _use_gemv(rows, device, dtype, interpret, max_rows, weight_numel, max_weight) -> bool:
     limit = DENSE_GEMV_MAX_ROWS if max_rows is None else max_rows
     if interpret or device.type != "cuda" or dtype not in DENSE_GEMV_DTYPES or not 1 <= rows <= limit:
         return False
-    if DENSE_GEMV_MAX_WEIGHT is not None and weight_numel > DENSE_GEMV_MAX_WEIGHT:
+    if max_weight is not None and weight_numel > max_weight:
         return False
     # Its edge over cuBLAS was measured with dependent launch (Hopper); other GPUs keep cuBLAS.
     return dependent_launch(device)["PDL"]

@@ -47,7 +47,10 @@ class LlamaMLP(nn.Module):
         self.act_fn = get_act_and_mul(config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        h = self.gate_up_proj.forward_gated(x, self.act_fn.kind)  # one launch at decode rows, where it runs
+        if h is None:
+            h = self.act_fn(self.gate_up_proj(x))
+        return self.down_proj(h)
 
 
 class LlamaAttention(nn.Module):

@@ -53,6 +53,13 @@ class LinearMethod(ABC):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """y = x @ W^T + bias for x [..., input_size] -> [..., sum(output_sizes)]."""
 
+    def apply_gated(
+        self, layer: nn.Module, x: torch.Tensor, activation: str, bias: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """act(gate) * up [..., I] of a [gate; up] layer in one fused launch, or None where this method has none
+        for these rows: the caller then runs `apply` and the activation kernel."""
+        return None
+
     def process_weights_after_loading(self, layer: nn.Module) -> None:  # noqa: B027  (optional hook)
         """Called once after every checkpoint tensor has loaded."""
 

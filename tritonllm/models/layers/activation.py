@@ -11,12 +11,16 @@ from tritonllm.kernels.activation import gelu_tanh_and_mul, silu_and_mul
 class SiluAndMul(nn.Module):
     """[..., 2I] -> [..., I]: silu(gate) * up."""
 
+    kind = "silu"  # the name fused kernels take (tritonllm.kernels.activation.GATED_ACTIVATIONS)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return silu_and_mul(x)
 
 
 class GeluTanhAndMul(nn.Module):
     """[..., 2I] -> [..., I]: gelu_tanh(gate) * up."""
+
+    kind = "gelu_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return gelu_tanh_and_mul(x)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tritonllm.kernels.dense_gemv import dense_gemv
-from tritonllm.kernels.dense_gemv_config import use_dense_gemv
+from tritonllm.kernels.dense_gemv_config import use_dense_gemv, use_gated_gemv
 from tritonllm.models.layers.sharding import LinearPartition, shard_loaders
 from tritonllm.quant.base import LinearMethod, QuantConfig, set_shard_axes
 
@@ -34,6 +34,26 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if x2.stride(-1) == 1:
             return dense_gemv(x2, weight, bias).view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
+
+
+def gated_linear(
+    x: torch.Tensor, weight: torch.Tensor, activation: str, bias: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    """act(x @ W_gate^T) * (x @ W_up^T) [..., I] for weight = [gate; up] in one GEMV launch where
+    `use_gated_gemv` says the fused launch runs (decode rows on a Hopper-class GPU), else None: the caller runs
+    `linear` and the activation kernel. The choice reads shapes, dtypes and strides only (no sync)."""
+    k = x.shape[-1]
+    rows = x.numel() // k if k else 0
+    if (
+        use_gated_gemv(rows, x.device, x.dtype, weight_numel=weight.numel())
+        and weight.dtype == x.dtype
+        and weight.stride(-1) == 1
+        and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous()))
+    ):
+        x2 = x.reshape(rows, k)
+        if x2.stride(-1) == 1:
+            return dense_gemv(x2, weight, bias, activation=activation).view(*x.shape[:-1], weight.shape[0] // 2)
+    return None
 
 
 def _shard_rows(output_sizes: list[int], shard_index: int | None) -> tuple[int, int]:
@@ -72,6 +92,11 @@ class UnquantizedLinearMethod(LinearMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return linear(x, layer.weight, bias)
+
+    def apply_gated(
+        self, layer: nn.Module, x: torch.Tensor, activation: str, bias: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        return gated_linear(x, layer.weight, activation, bias)
 
 
 class Linear(nn.Module):
@@ -122,6 +147,13 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_method.apply(self, x, self.bias)
+
+    def forward_gated(self, x: torch.Tensor, activation: str) -> torch.Tensor | None:
+        """For a [gate; up] layer: act(gate) * up in one fused launch where the method has one for these rows,
+        else None (then run `forward` and the activation)."""
+        if len(self.output_sizes) != 2 or self.output_sizes[0] != self.output_sizes[1]:
+            raise ValueError(f"forward_gated needs a layer fused from two equal outputs, got {self.output_sizes}")
+        return self.linear_method.apply_gated(self, x, activation, self.bias)
 
     def extra_repr(self) -> str:
         tp = f", tp={self.tp_rank}/{self.tp_size}" if self.tp_size > 1 else ""
