@@ -32,20 +32,18 @@ from tritonllm.platform import INTERPRET
 
 MAX_GEMV_ROWS = 16  # dense_gemv's limit: the rows fit one 16-row MMA tile
 # Linear layers take the GEMV kernel for up to DENSE_GEMV_MAX_ROWS rows (x.numel() // K) and weights of at most
-# DENSE_GEMV_MAX_WEIGHT elements (None: any), F.linear (cuBLAS) otherwise; 0 rows: never.
-# On the H200 with programmatic dependent launch (bench_gemv.py, M = 1, weights streamed past L2, the first weight
-# tile loaded before the wait) the kernel beat cuBLAS on qkv and o (14.5 vs 16.2 us, 11.9 vs 13.2 us), matched it
-# on gate_up (60.6 vs 62.3) and the LM head (250.7 vs 246.0) and trailed on down (35.1 vs 31.9). In a batch-1
-# decode step of the 8B shape (profile_steps.py, one run): cuBLAS everywhere 4.55 ms, the kernel everywhere 4.48,
-# on qkv and o only 4.47, on all but gate_up and the LM head 4.51. Without dependent launch the edge is gone
-# (4.70 ms on qkv, o and down; cuBLAS everywhere 4.68 in an earlier run). So: one row, and weights up to 2**25
-# elements (64 MiB in bf16: the 8B's qkv and o, not gate_up, down or the LM head), and only where dependent
-# launch is on: elsewhere (GPUs before Hopper, TRITONLLM_PDL=0) it was never measured ahead of cuBLAS.
+# DENSE_GEMV_MAX_WEIGHT elements (None: any), F.linear (cuBLAS) otherwise; 0 rows: never. The gated MLP's
+# [gate; up] projection takes the same rows with its activation fused in (dense_gemv(activation=...)), up to
+# GATED_GEMV_MAX_WEIGHT elements: besides the projection it saves the activation kernel and the [M, 2I]
+# intermediate. On an H200 with programmatic dependent launch (bench_gemv.py, M = 1, weights streamed past L2) the
+# one-row launch beats cuBLAS on every Llama-3.1-8B projection: qkv 14.1 vs 15.9 us, o 10.0 vs 12.9, gate_up 56.3 vs
+# 58.4, down 29.7 vs 32.1, the LM head 234.5 vs 249.2; gate_up with SiLU-and-mul fused 56.5 vs 62.2 for F.linear +
+# silu_and_mul. Batch-1 decode of the 8B shape (bench_e2e.py, one machine): the GEMV on every layer with the gated
+# launch 242.9 tok/s (twice), and with the LM head too 243.9; without the gated launch 241.1; on qkv and o only
+# 224.8. Without dependent launch it was never measured ahead of cuBLAS (an earlier launch lost 4.70 to 4.68 ms a
+# step), so GPUs before Hopper and TRITONLLM_PDL=0 keep cuBLAS.
 DENSE_GEMV_MAX_ROWS = 1
-DENSE_GEMV_MAX_WEIGHT: int | None = 2**27  # TODO(bench): the 8B's layers but not its LM head, M = 1 launch re-swept
-# The gated MLP's gate_up projection with its activation fused into the GEMV (dense_gemv(activation=...)): the
-# same rows, its own weight limit, since besides the projection it saves the activation kernel and the [M, 2I]
-# intermediate. TODO(bench): measured against F.linear + the activation kernel in a decode step.
+DENSE_GEMV_MAX_WEIGHT: int | None = None
 GATED_GEMV_MAX_WEIGHT: int | None = None
 DENSE_GEMV_DTYPES = (torch.float16, torch.bfloat16)  # what linear layers send to it (fp32 stays on F.linear)
 MAX_TILE_NUMEL = 2**20  # Triton's largest tensor; the CUDA-core accumulator is BLOCK_M * BLOCK_N * BLOCK_K
