@@ -34,6 +34,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_utils import (  # noqa: E402
     STREAM_BYTES,
+    add_kernel_override_args,
+    apply_kernel_override_args,
     bench_device,
     environment,
     log,
@@ -433,23 +435,24 @@ def _chain_configs(batch: int, context: int, s: Shapes, dtype, device) -> dict[s
     return configs
 
 
-def run_chain(s, dtype, device, copy_gbs) -> list[dict]:
+def run_chain(s, dtype, device, copy_gbs, default_only: bool = False) -> list[dict]:
     """Small-batch decode timed per layer inside one graph of a step's worth of layers (see CHAIN_BATCHES)."""
     rows = []
     for batch, context in itertools.product(s.chain_batches, s.chain_contexts):
-        rows.append(_chain_row(batch, context, s, dtype, device, copy_gbs))
+        rows.append(_chain_row(batch, context, s, dtype, device, copy_gbs, default_only))
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return rows
 
 
-def _chain_row(batch: int, context: int, s: Shapes, dtype, device, copy_gbs: float) -> dict:
+def _chain_row(batch: int, context: int, s: Shapes, dtype, device, copy_gbs: float, default_only: bool) -> dict:
     first = decode_case(batch, context, s, dtype, device)
     layers = max(2, -(-STREAM_BYTES // int(first.work))) if device.type == "cuda" else 1
     cases = [first] + [decode_case(batch, context, s, dtype, device, seed=i) for i in range(1, layers)]
     sdpa_us = stream_us(lambda f: f(), [c.sdpa for c in cases], device)
     timed = {}
-    for label, cfg in _chain_configs(batch, context, s, dtype, device).items():
+    configs = _chain_configs(batch, context, s, dtype, device)
+    for label, cfg in ({"default": configs["default"]} if default_only else configs).items():
         result = _try_time(
             label, lambda cfg=cfg: (first.check(cfg), stream_us(lambda f: f(), [c.ours(cfg) for c in cases], device))
         )
@@ -745,6 +748,12 @@ def main() -> None:
     parser.add_argument("--split-sweep", action="store_true", help="also time KV splits 1..8 at batch >= 32")
     parser.add_argument("--graph-splits", action="store_true", help="also time batch 1-4 decode planned for 4k")
     parser.add_argument("--chain", action="store_true", help="also time batch 1-8 decode per layer of a step")
+    parser.add_argument("--chain-batches", default=None, help="batch sizes --chain times, e.g. 1,8 (default: 1,2,4,8)")
+    parser.add_argument("--chain-contexts", default=None, help="contexts --chain times, e.g. 1024,4096")
+    parser.add_argument(
+        "--chain-default-only", action="store_true", help="--chain times the default plan and SDPA only"
+    )
+    add_kernel_override_args(parser)
     parser.add_argument("--only-mixed", action="store_true", help="skip the decode and prefill tables")
     parser.add_argument("--only-extra", action="store_true", help="only the tables asked for by other flags")
     parser.add_argument("--heads", type=int, default=HEADS, help="query heads")
@@ -771,6 +780,11 @@ def main() -> None:
             else tuple(tuple(int(v) for v in shape.split("x")) for shape in args.sweep_decode.split(","))
         )
         shapes = dataclasses.replace(shapes, sweep_decode=pairs)
+    if args.chain_batches:
+        shapes = dataclasses.replace(shapes, chain_batches=tuple(int(v) for v in args.chain_batches.split(",")))
+    if args.chain_contexts:
+        shapes = dataclasses.replace(shapes, chain_contexts=tuple(int(v) for v in args.chain_contexts.split(",")))
+    apply_kernel_override_args(args)
     if args.sweep_prefill:
         shapes = dataclasses.replace(shapes, sweep_prefill=tuple(int(v) for v in args.sweep_prefill.split(",")))
     dtype = torch.bfloat16
@@ -789,7 +803,7 @@ def main() -> None:
     )
     results["mixed"] = [] if args.only_extra else run_mixed(shapes, dtype, device)
     if args.chain:
-        results["chain"] = run_chain(shapes, dtype, device, copy_gbs)
+        results["chain"] = run_chain(shapes, dtype, device, copy_gbs, default_only=args.chain_default_only)
     if args.sweep:
         results["sweep"] = run_sweep(shapes, dtype, device, copy_gbs)
     if args.split_sweep:

@@ -30,8 +30,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_utils import (  # noqa: E402
-    add_dense_gemv_args,
-    apply_dense_gemv_args,
+    add_kernel_override_args,
+    apply_kernel_override_args,
     bench_device,
     copy_bandwidth_gbs,
     environment,
@@ -380,7 +380,7 @@ def parse_args() -> argparse.Namespace:
         "--async-scheduling", action=argparse.BooleanOptionalAction, default=True, help="The engine's default: on."
     )
     p.add_argument("--quant-offline", action="store_true", help="Also run the offline workload on AWQ and GPTQ.")
-    add_dense_gemv_args(p)
+    add_kernel_override_args(p)
     p.add_argument("--device", default=None, help="Default: cuda when available.")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
@@ -395,7 +395,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    apply_dense_gemv_args(args)
+    apply_kernel_override_args(args)
     device = bench_device(args.device)
     config = PRESETS[args.preset]
     results: dict[str, Any] = {"environment": environment(device), "settings": vars(args), "variants": {}}

@@ -287,7 +287,8 @@ def main() -> None:
             f"{env['device']} · torch {env['torch']} · triton {env['triton']} · {args.dtype} · "
             f"commit {env.get('commit', '?')} · {env['date']}",
             f"Copy bandwidth (read + write): **{bandwidth:,.0f} GB/s**. GB/s = (weight + x + y bytes) / time; "
-            "L2 flushed before every timed call.",
+            "calls timed as CUDA graph replays over weight copies that together pass L2 (eager columns: L2 "
+            "flushed).",
             res["markdown"],
         ]
     )

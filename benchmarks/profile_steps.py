@@ -28,8 +28,8 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_utils import (  # noqa: E402
-    add_dense_gemv_args,
-    apply_dense_gemv_args,
+    add_kernel_override_args,
+    apply_kernel_override_args,
     bench_device,
     environment,
     log,
@@ -190,13 +190,13 @@ def main() -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="Default: the engine's.")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--max-model-len", type=int, default=None, help="Default: 4096 or the model's limit if lower.")
-    add_dense_gemv_args(p)
+    add_kernel_override_args(p)
     p.add_argument("--device", default=None)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
 
     device = bench_device(args.device)
-    apply_dense_gemv_args(args)
+    apply_kernel_override_args(args)
     results: dict[str, Any] = {"environment": environment(device), "preset": args.preset, "phases": []}
     with tempfile.TemporaryDirectory() as tmp:
         config = PRESETS[args.preset]

@@ -46,3 +46,13 @@ def wait_for_previous_kernel(PDL: tl.constexpr):
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
+
+
+@triton.jit
+def prefetch_l2(ptrs):
+    """Ask for the cache lines at `ptrs` to be brought into L2 (PTX prefetch.global.L2), nothing more: no
+    registers wait on it, and L2 is coherent, so it may run before `wait_for_previous_kernel` on memory the
+    previous kernel writes. Compiled CUDA only (inline assembly; the interpreter has none)."""
+    tl.inline_asm_elementwise(
+        "prefetch.global.L2 [$1]; mov.b32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
+    )
