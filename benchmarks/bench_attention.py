@@ -34,8 +34,6 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_utils import (  # noqa: E402
     STREAM_BYTES,
-    add_kernel_override_args,
-    apply_kernel_override_args,
     bench_device,
     environment,
     log,
@@ -753,7 +751,6 @@ def main() -> None:
     parser.add_argument(
         "--chain-default-only", action="store_true", help="--chain times the default plan and SDPA only"
     )
-    add_kernel_override_args(parser)
     parser.add_argument("--only-mixed", action="store_true", help="skip the decode and prefill tables")
     parser.add_argument("--only-extra", action="store_true", help="only the tables asked for by other flags")
     parser.add_argument("--heads", type=int, default=HEADS, help="query heads")
@@ -784,7 +781,6 @@ def main() -> None:
         shapes = dataclasses.replace(shapes, chain_batches=tuple(int(v) for v in args.chain_batches.split(",")))
     if args.chain_contexts:
         shapes = dataclasses.replace(shapes, chain_contexts=tuple(int(v) for v in args.chain_contexts.split(",")))
-    apply_kernel_override_args(args)
     if args.sweep_prefill:
         shapes = dataclasses.replace(shapes, sweep_prefill=tuple(int(v) for v in args.sweep_prefill.split(",")))
     dtype = torch.bfloat16

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import torch
 
 import tritonllm  # noqa: F401  (sets TRITON_INTERPRET before triton is used without a GPU)
-from tritonllm.kernels import dense_gemv_config, paged_attention
+from tritonllm.kernels import dense_gemv_config
 from tritonllm.kernels.dependent_launch import dependent_launch
 from tritonllm.platform import default_device
 
@@ -104,8 +104,8 @@ def copy_bandwidth_gbs(device: torch.device, nbytes: int = 2**30) -> float:
 
 
 def add_kernel_override_args(p: argparse.ArgumentParser) -> None:
-    """Flags that override kernel choices for A/B runs: when linear layers take the dense GEMV
-    (tritonllm/kernels/dense_gemv_config.py) and how many K/V tiles attention prefetches before its wait."""
+    """Flags that override kernel choices for A/B runs: when linear layers take the dense GEMV and its gated
+    launch (tritonllm/kernels/dense_gemv_config.py)."""
     p.add_argument(
         "--dense-gemv-max-rows", type=int, default=None, help="Override DENSE_GEMV_MAX_ROWS (0: F.linear always)."
     )
@@ -122,13 +122,6 @@ def add_kernel_override_args(p: argparse.ArgumentParser) -> None:
         help="Override GATED_GEMV_MAX_WEIGHT: gate_up + activation fused for weights up to this size (0: never, "
         "-1: any).",
     )
-    p.add_argument(
-        "--attention-prefetch-tiles",
-        type=int,
-        default=None,
-        help="Override ATTENTION_PREFETCH_TILES (paged_attention.py): K/V tiles prefetched into L2 before the wait "
-        "(0: none).",
-    )
 
 
 def apply_kernel_override_args(args: argparse.Namespace) -> None:
@@ -138,8 +131,6 @@ def apply_kernel_override_args(args: argparse.Namespace) -> None:
         dense_gemv_config.DENSE_GEMV_MAX_WEIGHT = None if args.dense_gemv_max_weight < 0 else args.dense_gemv_max_weight
     if args.gated_gemv_max_weight is not None:
         dense_gemv_config.GATED_GEMV_MAX_WEIGHT = None if args.gated_gemv_max_weight < 0 else args.gated_gemv_max_weight
-    if args.attention_prefetch_tiles is not None:
-        paged_attention.ATTENTION_PREFETCH_TILES = args.attention_prefetch_tiles
 
 
 def environment(device: torch.device) -> dict[str, Any]:
@@ -158,7 +149,6 @@ def environment(device: torch.device) -> dict[str, Any]:
             "max_weight": dense_gemv_config.DENSE_GEMV_MAX_WEIGHT,
             "gated_max_weight": dense_gemv_config.GATED_GEMV_MAX_WEIGHT,
         },
-        "attention_prefetch_tiles": paged_attention.ATTENTION_PREFETCH_TILES,
     }
     try:
         root = Path(__file__).resolve().parent.parent

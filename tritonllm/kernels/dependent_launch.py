@@ -8,7 +8,9 @@ written or writes anything (and never returns early before it), so each kernel s
 complete, and the kernels after it wait for it as before. Constants (weights) may be read before the wait: the
 dense GEMV loads its first weight tile there, so that load overlaps the previous kernel's tail. Loading a step's
 metadata (positions, slot mapping, sequence bounds) early as well in rotary, the KV write and attention measured
-no faster on the H200 (batch-1 decode 223.0 vs 223.9-224.2 tok/s), so those kernels wait first.
+no faster on the H200 (batch-1 decode 223.0 vs 223.9-224.2 tok/s), so those kernels wait first. Nor did
+prefetching attention's first K/V tiles into L2 (PTX prefetch.global.L2) before its wait: 0.5-4% less time per
+layer at batch 1 in `bench_attention.py --chain`, no change in batch-1 decode, 0.3-1% slower mixed steps.
 
 On by default on compute capability >= 9 when compiled; `TRITONLLM_PDL=0` turns it off (for A/B timing).
 """
@@ -46,13 +48,3 @@ def wait_for_previous_kernel(PDL: tl.constexpr):
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
-
-
-@triton.jit
-def prefetch_l2(ptrs):
-    """Ask for the cache lines at `ptrs` to be brought into L2 (PTX prefetch.global.L2), nothing more: no
-    registers wait on it, and L2 is coherent, so it may run before `wait_for_previous_kernel` on memory the
-    previous kernel writes. Compiled CUDA only (inline assembly; the interpreter has none)."""
-    tl.inline_asm_elementwise(
-        "prefetch.global.L2 [$1]; mov.b32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
-    )

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from tritonllm.kernels.arrival_counters import arrival_counters
-from tritonllm.kernels.dependent_launch import dependent_launch, prefetch_l2, wait_for_previous_kernel
+from tritonllm.kernels.dependent_launch import dependent_launch, wait_for_previous_kernel
 from tritonllm.kernels.kv_cache import check_cache_pair
 from tritonllm.kernels.paged_attention_config import (
     PagedAttentionConfig,
@@ -40,10 +40,6 @@ from tritonllm.platform import INTERPRET, check_kernel_device
 _MAX_HEAD_SIZE = 256
 _MAX_INT32 = 2**31 - 1
 _LOG2E = 1.4426950408889634
-# With dependent launch, each program prefetches the K/V lines of its first tiles into L2 before it waits on the
-# previous kernel: at batch 1 a split's keys are one or two tiles, so their read overlaps the previous kernel's
-# tail instead of following it. Few tiles, so a long run's prefetched lines are still in L2 when it gets there.
-ATTENTION_PREFETCH_TILES = 2
 
 
 @triton.jit
@@ -59,40 +55,6 @@ def _find_seq(query_start_loc_ptr, q_tile, num_seqs, BLOCK_Q: tl.constexpr):
         else:
             hi = mid
     return lo - 1
-
-
-@triton.jit
-def _prefetch_kv_tiles(
-    k_cache_ptr,
-    v_cache_ptr,
-    bt_row,
-    lo,
-    hi,
-    kv_head,
-    stride_kc_block,
-    stride_kc_slot,
-    stride_kc_head,
-    stride_vc_block,
-    stride_vc_slot,
-    stride_vc_head,
-    HEAD_SIZE_PADDED: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    TILE_N: tl.constexpr,
-    TILES: tl.constexpr,
-):
-    """Prefetch into L2 the K and V cache lines of up to TILES tiles of keys from lo (those before hi)."""
-    LINE: tl.constexpr = 128 * 8 // k_cache_ptr.dtype.element_ty.primitive_bitwidth  # elements per 128-byte line
-    LINES: tl.constexpr = max(HEAD_SIZE_PADDED // LINE, 1)
-    offs_line = tl.arange(0, LINES) * LINE
-    for t in tl.static_range(TILES):
-        offs_n = lo + t * TILE_N + tl.arange(0, TILE_N)
-        # Keys past hi read block 0's lines instead: in bounds, and a prefetch has no other effect.
-        block_id = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=offs_n < hi, other=0).to(tl.int64)
-        slot = (offs_n % BLOCK_SIZE)[:, None]
-        prefetch_l2(k_cache_ptr + block_id[:, None] * stride_kc_block + slot * stride_kc_slot
-                    + kv_head * stride_kc_head + offs_line[None, :])  # fmt: skip
-        prefetch_l2(v_cache_ptr + block_id[:, None] * stride_vc_block + slot * stride_vc_slot
-                    + kv_head * stride_vc_head + offs_line[None, :])  # fmt: skip
 
 
 @triton.jit
@@ -146,9 +108,9 @@ def _paged_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     INTERPRET: tl.constexpr,
     IDX: tl.constexpr,
-    PREFETCH_TILES: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     # IDX: int32 compiled; int64 under the interpreter, which checks every int32 add/mul for overflow with ~8
     # extra ops (int64 is not checked), a large share of a program's cost there.
     if ONE_TILE_PER_SEQ:
@@ -162,46 +124,12 @@ def _paged_attention_kernel(
     q_start = tl.load(query_start_loc_ptr + seq).to(IDX)
     query_len = tl.load(query_start_loc_ptr + seq + 1).to(IDX) - q_start
     seq_len = tl.load(seq_lens_ptr + seq).to(IDX)
+    if local_tile * BLOCK_Q >= query_len:
+        return  # an idle sequence, or one of the up to one surplus tiles per sequence the grid counts
+    if (query_len < min_query_len) | (query_len > max_query_len):
+        return  # the other launch of a mixed step serves this sequence (config.short_queries)
     context_len = seq_len - query_len
     kv_head0 = tl.program_id(1).to(IDX) * KV_HEADS
-    # An idle sequence, one of the up to one surplus tiles per sequence the grid counts, or one the other launch
-    # of a mixed step serves (config.short_queries): such programs return, after the wait like every program.
-    idle = (local_tile * BLOCK_Q >= query_len) | (query_len < min_query_len) | (query_len > max_query_len)
-
-    # Keys this tile can see: causality ends at its last query, the window starts before its first query.
-    kv_end = context_len + tl.minimum((local_tile + 1) * BLOCK_Q, query_len)
-    kv_start = 0
-    if SLIDING_WINDOW > 0:
-        kv_start = tl.maximum(context_len + local_tile * BLOCK_Q - SLIDING_WINDOW + 1, 0)
-    lo = (kv_start // TILE_N) * TILE_N
-    hi = kv_end
-    if SPLIT_KV:
-        # This program's run of whole tiles; the sequence's own length sets the run, so a launch sized for a
-        # longer max_seq_len leaves the trailing splits empty rather than unbalanced.
-        split = tl.program_id(2).to(IDX)
-        num_tiles = tl.maximum(tl.cdiv(kv_end - lo, TILE_N), 1)  # >= 1 for a scheduled query (it sees itself)
-        tiles_per_split = tl.cdiv(num_tiles, num_splits)
-        if MERGE_IN_LAUNCH:
-            # Only the splits that hold keys take part (a short sequence in a launch planned for max_model_len
-            # leaves most of them empty): the rest neither store partials nor arrive, and the merge reads fewer.
-            used_splits = tl.cdiv(num_tiles, tiles_per_split)
-            idle = idle | (split >= used_splits)
-        lo = lo + split * tiles_per_split * TILE_N
-        hi = tl.minimum(lo + tiles_per_split * TILE_N, kv_end)
-    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
-    if PREFETCH_TILES > 0:
-        if not idle:
-            # The step's metadata and the cache lines of this program's first K/V tiles, pulled into L2 while the
-            # previous kernel drains. A prefetch only warms L2, which is coherent: a slot the previous kernel is
-            # still writing (this step's new keys) is read again, current, after the wait.
-            _prefetch_kv_tiles(
-                k_cache_ptr, v_cache_ptr, bt_row, lo, hi, kv_head0, stride_kc_block, stride_kc_slot,
-                stride_kc_head, stride_vc_block, stride_vc_slot, stride_vc_head, HEAD_SIZE_PADDED, BLOCK_SIZE,
-                TILE_N, PREFETCH_TILES,
-            )  # fmt: skip
-    wait_for_previous_kernel(PDL)
-    if idle:
-        return
 
     # Row r of the tile: query token r // (KV_HEADS * QUERIES_PER_KV) of the tile, then its heads in order.
     offs_m = tl.arange(0, BLOCK_M).to(IDX)
@@ -240,6 +168,28 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, KV_HEADS_PADDED * HEAD_SIZE_PADDED], dtype=tl.float32)
 
+    # Keys this tile can see: causality ends at its last query, the window starts before its first query.
+    kv_end = context_len + tl.minimum((local_tile + 1) * BLOCK_Q, query_len)
+    kv_start = 0
+    if SLIDING_WINDOW > 0:
+        kv_start = tl.maximum(context_len + local_tile * BLOCK_Q - SLIDING_WINDOW + 1, 0)
+    lo = (kv_start // TILE_N) * TILE_N
+    hi = kv_end
+    if SPLIT_KV:
+        # This program's run of whole tiles; the sequence's own length sets the run, so a launch sized for a
+        # longer max_seq_len leaves the trailing splits empty rather than unbalanced.
+        split = tl.program_id(2).to(IDX)
+        num_tiles = tl.cdiv(kv_end - lo, TILE_N)  # >= 1: a scheduled query sees at least itself
+        tiles_per_split = tl.cdiv(num_tiles, num_splits)
+        if MERGE_IN_LAUNCH:
+            # Only the splits that hold keys take part (a short sequence in a launch planned for max_model_len
+            # leaves most of them empty): the rest neither store partials nor arrive, and the merge reads fewer.
+            used_splits = tl.cdiv(num_tiles, tiles_per_split)
+            if split >= used_splits:
+                return
+        lo = lo + split * tiles_per_split * TILE_N
+        hi = tl.minimum(lo + tiles_per_split * TILE_N, kv_end)
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
     for n_start in range(lo, hi, TILE_N):
         offs_n = n_start + tl.arange(0, TILE_N).to(IDX)
         n_valid = offs_n < hi
@@ -400,7 +350,6 @@ def _launch(
     # Without one tile per sequence: an upper bound on query tiles (see _find_seq); surplus programs return at once.
     tiles = num_seqs if one_tile_per_seq else num_tokens // cfg.block_q + num_seqs
     grid = (tiles, grid_kv, cfg.num_splits)
-    pdl = dependent_launch(q.device)
     _paged_attention_kernel[grid](
         out,
         q,
@@ -450,10 +399,9 @@ def _launch(
         DOT_PRECISION="ieee" if fp32_dot else "tf32",
         INTERPRET=INTERPRET,
         IDX=tl.int64 if INTERPRET else tl.int32,
-        PREFETCH_TILES=ATTENTION_PREFETCH_TILES if pdl["PDL"] else 0,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
-        **pdl,
+        **dependent_launch(q.device),
     )
     if split and not merge_in_launch:
         merge_attention_partials(
