@@ -2,14 +2,14 @@
 
 At a few rows a dense linear layer is bound by reading its weight once: what counts is enough bytes in flight
 to keep DRAM busy (several programs per SM, wide loads), not arithmetic. Two compute paths:
-  * CUDA cores (`use_dot=False`, the default up to 4 rows): a [BLOCK_M, BLOCK_N, BLOCK_K] fp32 accumulator in
+  * CUDA cores (`use_dot=False`, the default at one row on a GPU): a [BLOCK_M, BLOCK_N, BLOCK_K] fp32 accumulator in
     registers. It keeps the weight load's register layout only when BLOCK_K covers a whole CTA's 16-byte loads
     along K (`k_span`: 16 bytes x 32 lanes x warps), so no shared-memory layout conversion runs per tile; each
     thread then holds BLOCK_M * BLOCK_N * BLOCK_K / (32 * warps) accumulators. Triton's software pipeline does
     not touch these loads: num_stages > 1 instead loads each weight tile one iteration ahead, in registers.
-  * tl.dot (`use_dot=True`, up to 16 rows): the weight tile is the MMA's M side (BLOCK_N >= 16; 64 makes it one
-    wgmma per warpgroup), the rows padded to 16 its N side, and Triton's software pipeline keeps num_stages tiles
-    in flight through shared memory.
+  * tl.dot (`use_dot=True`, the default from two rows): the weight tile is the MMA's M side (BLOCK_N >= 16; 64
+    makes it one wgmma per warpgroup), the rows padded to 16 its N side, and Triton's software pipeline keeps
+    num_stages tiles in flight through shared memory.
 Split-K fills the GPU when the N tiles alone are too few (its partial sums are added inside the launch): up to
 `_PROGRAMS_PER_SM` programs per SM for the CUDA-core path, one wave of resident programs for the tl.dot path,
 whose shared-memory stages allow only one or two per SM (more, shorter programs would leave its pipeline idle).
@@ -48,7 +48,12 @@ GATED_GEMV_MAX_WEIGHT: int | None = None
 DENSE_GEMV_DTYPES = (torch.float16, torch.bfloat16)  # what linear layers send to it (fp32 stays on F.linear)
 MAX_TILE_NUMEL = 2**20  # Triton's largest tensor; the CUDA-core accumulator is BLOCK_M * BLOCK_N * BLOCK_K
 
-CUDA_CORE_MAX_ROWS = 4  # the heuristic's crossover to tl.dot (explicit configs take either path up to 16 rows)
+# The heuristic's crossover to tl.dot on a GPU (explicit configs take either path up to 16 rows). Swept on an H200
+# (bench_gemv.py --sweep, M = 2 and 4): the CUDA-core launch took 0.48-0.71x cuBLAS's speed at 4 rows, while
+# 64-row tl.dot tiles with 4 stages were the best launch on 5 of the 8 (M, shape) cases and within 1.01-1.23x of
+# cuBLAS on all of them.
+CUDA_CORE_MAX_ROWS = 1
+_INTERPRETER_CUDA_CORE_MAX_ROWS = 4
 _PROGRAMS_PER_SM = 4  # CUDA-core path: split K below 2 programs per SM from the N tiles, up to this many
 _MIN_TILES_PER_SPLIT = 2
 _MAX_SPLIT_K = 16
@@ -105,7 +110,7 @@ def auto_split_k(cfg: GemvConfig, n: int, k: int, itemsize: int, sms: int) -> in
 def _interpreter_config(m: int, n: int, k: int) -> GemvConfig:
     block_n = min(max(triton.next_power_of_2(n), 16), 64)
     block_k = min(max(triton.next_power_of_2(k), 16), 512)
-    return GemvConfig(block_n, block_k, 1, 4, 1, use_dot=m > CUDA_CORE_MAX_ROWS)  # one tl.dot, not an op per row
+    return GemvConfig(block_n, block_k, 1, 4, 1, use_dot=m > _INTERPRETER_CUDA_CORE_MAX_ROWS)  # one tl.dot per tile
 
 
 @functools.lru_cache(maxsize=1024)  # called per launch: eager decode pays for every Python step
@@ -113,18 +118,13 @@ def gemv_config(m: int, n: int, k: int, dtype: torch.dtype, num_sms: int, interp
     """The launch for y[m, n] = x[m, k] @ W[n, k]^T at 1 <= m <= 16 rows on a GPU of `num_sms` SMs."""
     if interpret:
         return _interpreter_config(m, n, k)
-    if m == 1:
+    if m <= CUDA_CORE_MAX_ROWS:
         # 4 weight rows, 8 warps, one 16-byte load per thread and row per tile (4 KB of each weight row), no
         # prefetch: 32 fp32 accumulators per thread, so many programs per SM keep loads in flight. Swept on an
         # H200 with dependent launch (bench_gemv.py --sweep, M = 1): best on gate_up and down (55.9 and 29.2 us,
         # 99% and 95% of copy bandwidth; cuBLAS 63.2 and 32.3), where 8 rows with 4 warps and a prefetch took
         # 59.4 and 34.9.
         cfg = GemvConfig(4, k_span(dtype, 8), 1, 8, 1, use_dot=False)
-    elif m <= CUDA_CORE_MAX_ROWS:
-        # 4 warps, one 16-byte load per thread and row per tile (2 KB of each weight row), the next tile loaded
-        # one iteration ahead, 4 weight rows: 64-128 fp32 accumulators per thread, each x row feeds 4 rows.
-        warps = 4
-        cfg = GemvConfig(4, k_span(dtype, warps), 1, warps, 2, use_dot=False)
     else:
         # 64 weight rows (one wgmma per warpgroup), 256 bytes of each per tile, 4 stages: 80 KB of shared memory
         # at 16 bits, two programs per SM.
