@@ -48,10 +48,11 @@ GATED_GEMV_MAX_WEIGHT: int | None = None
 DENSE_GEMV_DTYPES = (torch.float16, torch.bfloat16)  # what linear layers send to it (fp32 stays on F.linear)
 MAX_TILE_NUMEL = 2**20  # Triton's largest tensor; the CUDA-core accumulator is BLOCK_M * BLOCK_N * BLOCK_K
 
-# The heuristic's crossover to tl.dot on a GPU (explicit configs take either path up to 16 rows). Swept on an H200
-# (bench_gemv.py --sweep, M = 2 and 4): the CUDA-core launch took 0.48-0.71x cuBLAS's speed at 4 rows, while
-# 64-row tl.dot tiles with 4 stages were the best launch on 5 of the 8 (M, shape) cases and within 1.01-1.23x of
-# cuBLAS on all of them.
+# The heuristic's crossover to tl.dot on a GPU (explicit configs take either path up to 16 rows). On an H200
+# (bench_gemv.py, M = 2 and 4) the CUDA-core launch ran at 0.48-0.71x cuBLAS's speed at 4 rows; the sweep's best
+# launches there were mostly tl.dot tiles with 4 stages, and with the tl.dot default from two rows the 8B's
+# projections run at 0.90-1.12x cuBLAS at 2-8 rows (gate_up with its activation fused: 1.03-1.05x). Parity is no
+# reason to leave cuBLAS, so linear layers keep it past one row (DENSE_GEMV_MAX_ROWS).
 CUDA_CORE_MAX_ROWS = 1
 _INTERPRETER_CUDA_CORE_MAX_ROWS = 4
 _PROGRAMS_PER_SM = 4  # CUDA-core path: split K below 2 programs per SM from the N tiles, up to this many
