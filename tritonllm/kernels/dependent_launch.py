@@ -6,11 +6,12 @@ graph; this hides that gap for every kernel here. The rule that keeps it correct
 `dependent_launch(device)` calls `wait_for_previous_kernel` before it reads anything an earlier kernel may have
 written or writes anything (and never returns early before it), so each kernel still sees everything before it
 complete, and the kernels after it wait for it as before. Constants (weights) may be read before the wait: the
-dense GEMV loads its first weight tile there, so that load overlaps the previous kernel's tail. Loading a step's
-metadata (positions, slot mapping, sequence bounds) early as well in rotary, the KV write and attention measured
-no faster on the H200 (batch-1 decode 223.0 vs 223.9-224.2 tok/s), so those kernels wait first. Nor did
-prefetching attention's first K/V tiles into L2 (PTX prefetch.global.L2) before its wait: 0.5-4% less time per
-layer at batch 1 in `bench_attention.py --chain`, no change in batch-1 decode, 0.3-1% slower mixed steps.
+dense and W4A16 GEMVs load their first weight tile there, so that load overlaps the previous kernel's tail.
+Loading a step's metadata (positions, slot mapping, sequence bounds) early as well in rotary, the KV write and
+attention measured no faster on the H200 (batch-1 decode 223.0 vs 223.9-224.2 tok/s), so those kernels wait
+first. Nor did prefetching attention's first K/V tiles into L2 (PTX prefetch.global.L2) before its wait: 0.5-4%
+less time per layer at batch 1 in `bench_attention.py --chain`, no change in batch-1 decode, 0.2-1% slower mixed
+steps.
 
 On by default on compute capability >= 9 when compiled; `TRITONLLM_PDL=0` turns it off (for A/B timing).
 """

@@ -8,6 +8,8 @@ dimension; each checkpoint shard loads into its own row range through the parame
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -18,21 +20,31 @@ from tritonllm.models.layers.sharding import LinearPartition, shard_loaders
 from tritonllm.quant.base import LinearMethod, QuantConfig, set_shard_axes
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y [..., N] = x [..., K] @ weight[N, K]^T (+ bias), as F.linear. A decode row on a Hopper-class GPU goes
-    through the streaming GEMV kernel where `use_dense_gemv` says it beats cuBLAS (weights up to a size); every
-    other call, and every CPU run, is F.linear. The choice reads shapes, dtypes and strides only (no sync)."""
+def _gemv_rows(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, use_gemv: Callable[..., bool]
+) -> torch.Tensor | None:
+    """x as [rows, K] where the GEMV kernel may take this call (the rule `use_gemv` for these rows and this weight,
+    one dtype, contiguous last dims), else None. Reads shapes, dtypes and strides only (no sync)."""
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
-    if (
-        use_dense_gemv(rows, x.device, x.dtype, weight_numel=weight.numel())
+    if not (
+        use_gemv(rows, x.device, x.dtype, weight_numel=weight.numel())
         and weight.dtype == x.dtype
         and weight.stride(-1) == 1
         and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous()))
     ):
-        x2 = x.reshape(rows, k)
-        if x2.stride(-1) == 1:
-            return dense_gemv(x2, weight, bias).view(*x.shape[:-1], weight.shape[0])
+        return None
+    x2 = x.reshape(rows, k)
+    return x2 if x2.stride(-1) == 1 else None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y [..., N] = x [..., K] @ weight[N, K]^T (+ bias), as F.linear. A decode row on a Hopper-class GPU goes
+    through the streaming GEMV kernel where `use_dense_gemv` says it beats cuBLAS; every other call, and every
+    CPU run, is F.linear."""
+    x2 = _gemv_rows(x, weight, bias, use_dense_gemv)
+    if x2 is not None:
+        return dense_gemv(x2, weight, bias).view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
 
 
@@ -41,19 +53,11 @@ def gated_linear(
 ) -> torch.Tensor | None:
     """act(x @ W_gate^T) * (x @ W_up^T) [..., I] for weight = [gate; up] in one GEMV launch where
     `use_gated_gemv` says the fused launch runs (decode rows on a Hopper-class GPU), else None: the caller runs
-    `linear` and the activation kernel. The choice reads shapes, dtypes and strides only (no sync)."""
-    k = x.shape[-1]
-    rows = x.numel() // k if k else 0
-    if (
-        use_gated_gemv(rows, x.device, x.dtype, weight_numel=weight.numel())
-        and weight.dtype == x.dtype
-        and weight.stride(-1) == 1
-        and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous()))
-    ):
-        x2 = x.reshape(rows, k)
-        if x2.stride(-1) == 1:
-            return dense_gemv(x2, weight, bias, activation=activation).view(*x.shape[:-1], weight.shape[0] // 2)
-    return None
+    `linear` and the activation kernel."""
+    x2 = _gemv_rows(x, weight, bias, use_gated_gemv)
+    if x2 is None:
+        return None
+    return dense_gemv(x2, weight, bias, activation=activation).view(*x.shape[:-1], weight.shape[0] // 2)
 
 
 def _shard_rows(output_sizes: list[int], shard_index: int | None) -> tuple[int, int]:
