@@ -95,7 +95,7 @@ def report(kind: str, block_m: int, block_n: int, block_k: int, warps: int, stag
         cc = compile_sm90(_quant_gemv_kernel, dict(common, PREFETCH=stages > 1), warps, 1)
         label = f"gemv n{block_n} k{block_k} w{warps} st{stages}"
     else:
-        extra = dict(DOT_PRECISION="tf32", INTERPRET=False, BLOCK_M=block_m)
+        extra = dict(DOT_PRECISION="tf32", INTERPRET=False, BLOCK_M=block_m, SWAP_AB=False)
         cc = compile_sm90(_quant_gemm_kernel, dict(common, **extra), warps, stages)
         label = f"dot m{block_m} n{block_n} k{block_k} w{warps} st{stages}"
     loop = main_loop(disassemble(cc.asm["cubin"]))

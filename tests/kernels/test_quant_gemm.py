@@ -37,6 +37,7 @@ KINDS = {
     "gemv": QuantGemmConfig(1, 32, 32, 1, 4, 2, gemv=True),  # next tile's loads issued one iteration ahead
     "gemv1": QuantGemmConfig(1, 32, 32, 1, 4, 1, gemv=True),  # no prefetch
     "dot": QuantGemmConfig(16, 32, 32, 1, 4, 2),
+    "dot_swap": QuantGemmConfig(16, 32, 32, 1, 4, 2, swap_ab=True),  # y^T = W^T x^T
     "dequant": QuantGemmConfig(1, 32, 32, 1, 4, 1, dequant=True),
 }
 
@@ -86,6 +87,10 @@ def _weights(k, n, bits, group_size, seed):
     dtype=torch.bfloat16, kind="dot", split=1,
 )  # fmt: skip
 @example(
+    seed=11, m=17, bits=4, n_words=17, k_words=41, group_size=128, act_order=True, zero_offset=0, has_bias=True,
+    dtype=torch.bfloat16, kind="dot_swap", split=3,
+)  # fmt: skip
+@example(
     seed=10, m=3, bits=2, n_words=5, k_words=17, group_size=32, act_order=False, zero_offset=1, has_bias=False,
     dtype=torch.float32, kind="gemv", split=3,
 )  # fmt: skip
@@ -109,7 +114,7 @@ def test_gemm_matches_reference(
     assert_close(y, expected, dtype, scale=TOL_SCALE)
 
 
-@pytest.mark.parametrize("kind", ["gemv", "gemv1", "dot", "dequant"])
+@pytest.mark.parametrize("kind", ["gemv", "gemv1", "dot", "dot_swap", "dequant"])
 def test_group_narrower_than_a_word(kind):
     # 4-bit group of 4 rows: half a word per group, so scales change inside a packed word.
     k, n, bits, gs = 32, 16, 4, 4

@@ -75,6 +75,7 @@ def _quant_gemm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SWAP_AB: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
@@ -88,7 +89,10 @@ def _quant_gemm_kernel(
     mask_m = offs_m < M
     mask_n = offs_n < N
     offs_m64 = offs_m.to(tl.int64)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SWAP_AB:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_start = pid_s * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     for k0 in range(k_start, k_end, BLOCK_K):
@@ -100,7 +104,10 @@ def _quant_gemm_kernel(
             words, offs_kw, mask_kw, offs_n, mask_n, k0, K, qzeros_ptr, scales_ptr, stride_qz_g, stride_qz_n,
             stride_s_g, stride_s_n, BITS, GROUP_SIZE, ZERO_OFFSET, GROUPS,
         )  # fmt: skip
-        w = tl.reshape(tl.permute(w, (1, 0, 2)), (BLOCK_K, BLOCK_N))
+        if SWAP_AB:
+            w = tl.reshape(tl.permute(w, (2, 1, 0)), (BLOCK_N, BLOCK_K))
+        else:
+            w = tl.reshape(tl.permute(w, (1, 0, 2)), (BLOCK_K, BLOCK_N))
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < K
         cols = offs_k
@@ -118,7 +125,12 @@ def _quant_gemm_kernel(
                 # bf16 tl.dot is wrong under the interpreter; fp32 operands compute the same product.
                 a = x.to(tl.float32)
                 b = w
-        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        if SWAP_AB:
+            acc = tl.dot(b, tl.trans(a), acc, input_precision=DOT_PRECISION)
+        else:
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+    if SWAP_AB:
+        acc = tl.trans(acc)
 
     store_output(
         acc, offs_m, offs_n, pid_m * tl.num_programs(1) + pid_n, pid_s, M, N, split_k, stride_p_s, bias_ptr, out_ptr,
@@ -203,7 +215,7 @@ def _launch(x, qweight, qzeros, scales, perm, bias, n, bits, group_size, zero_of
     else:
         precision = "ieee" if x.dtype == torch.float32 else "tf32"
         _quant_gemm_kernel[grid](
-            *args, DOT_PRECISION=precision, INTERPRET=INTERPRET, BLOCK_M=cfg.block_m, **common
+            *args, DOT_PRECISION=precision, INTERPRET=INTERPRET, BLOCK_M=cfg.block_m, SWAP_AB=cfg.swap_ab, **common
         )  # fmt: skip
     return out.reshape(*lead, n)
 

@@ -32,6 +32,7 @@ class QuantGemmConfig:
     num_stages: int  # GEMV kernel: > 1 loads each K tile one iteration ahead
     gemv: bool = False  # CUDA-core GEMV kernel instead of the tl.dot one
     dequant: bool = False  # dense W^T then a cuBLAS matmul (block_n, block_k, num_warps: the dequant tile)
+    swap_ab: bool = False  # tl.dot kernel: y^T = W^T x^T, the dequantized tile as the MMA's A operand (registers)
 
 
 @dataclass(slots=True, frozen=True)
@@ -186,6 +187,8 @@ def check_config(cfg: QuantGemmConfig, bits: int) -> None:
         raise ValueError(f"block_k {cfg.block_k} must hold whole words of {pack} {bits}-bit values")
     if cfg.gemv and cfg.dequant:
         raise ValueError("a config is either the GEMV kernel (gemv) or dequantize + matmul (dequant), not both")
+    if cfg.swap_ab and (cfg.gemv or cfg.dequant):
+        raise ValueError("swap_ab applies to the tl.dot kernel only, not to the GEMV or dequantize + matmul")
     if cfg.gemv and cfg.block_m != 1:
         raise ValueError(f"the GEMV kernel takes block_m 1 (one row per program), got {cfg.block_m}")
     if cfg.dequant and cfg.split_k != 1:
