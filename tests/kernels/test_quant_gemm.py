@@ -132,7 +132,7 @@ def test_leading_dims_flatten_into_rows():
     assert_close(y, gptq_gemm_ref(x, qweight, qzeros, scales, 4, 32), torch.float16, scale=TOL_SCALE)
 
 
-@pytest.mark.parametrize("kind", ["gemv", "gemv1", "dot"])
+@pytest.mark.parametrize("kind", ["gemv", "gemv1", "dot", "dot_swap"])
 def test_split_k_is_deterministic_and_leaves_its_counters_zeroed(kind):
     # The last program of a tile adds the partials in split order, whatever order the programs finished in, and
     # resets the tile's arrival counter for the next launch.
@@ -193,7 +193,7 @@ def test_permutation_selects_input_features():
     perm = torch.arange(k, dtype=torch.int32).roll(-5).to(DEVICE)  # row 0 <- feature 5
     x = torch.zeros(1, k, dtype=torch.float32, device=DEVICE)
     x[0, 5] = 2.0
-    for kind in ("gemv", "gemv1", "dot", "dequant"):
+    for kind in ("gemv", "gemv1", "dot", "dot_swap", "dequant"):
         y = gptq_gemm(x, qweight, qzeros, scales, bits, -1, zero_offset=0, perm=perm, config=_config(kind, 1))
         assert y.cpu().eq(6.0).all(), kind
 
