@@ -143,7 +143,7 @@ def _cdiv(a: int, b: int) -> int:
 def _describe(cfg: QuantGemmConfig) -> str:
     if cfg.dequant:
         return f"dequant+mm n{cfg.block_n} k{cfg.block_k} w{cfg.num_warps}"
-    kind = "gemv" if cfg.gemv else f"dot m{cfg.block_m}"
+    kind = "gemv" if cfg.gemv else f"{'swap' if cfg.swap_ab else 'dot'} m{cfg.block_m}"
     return f"{kind} n{cfg.block_n} k{cfg.block_k} s{cfg.split_k} w{cfg.num_warps} st{cfg.num_stages}"
 
 
@@ -211,7 +211,7 @@ def run_sweep(shapes, ms, dtype: torch.dtype, g: int, sms: int, device: torch.de
             rules.append(
                 f"    LaunchRule(m={bucket}, n=({n}, {n}), k=({k}, {k}), config=QuantGemmConfig({best.block_m}, "
                 f"{best.block_n}, {best.block_k}, {best.split_k}, {best.num_warps}, {best.num_stages}, "
-                f"gemv={best.gemv}, dequant={best.dequant})),  "
+                f"gemv={best.gemv}, dequant={best.dequant}, swap_ab={best.swap_ab})),  "
                 f"# M={m} {name}: {best_ms * 1e3:.1f} us, dense / this {dense_ms / best_ms:.2f}"
             )
             log(f"sweep M={m} {name}: best {_describe(best)} {best_ms * 1e3:.1f} us (dense {dense_ms * 1e3:.1f} us)")

@@ -15,6 +15,11 @@ Three paths; quant_gemm_config.py picks one from M (with every launch heuristic)
     in K order permutes each thread's registers, and x's tile is used as loaded. (Rows ordered value-major, with
     x's tile permuted to match, took up to 22% more instructions per packed word on sm_90 and ran 2-20% slower on
     the H200 at 4-128 rows: docs/benchmarks.md.)
+    With `swap_ab` it computes y^T = W^T x^T instead: the dequantized tile is the MMA's A operand, which Hopper's
+    wgmma reads from registers, so one MMA stays in flight while the next tile is dequantized (unswapped, the tile
+    is stored to shared memory for wgmma's B operand and each MMA is waited for before the next tile). The A
+    operand's register layout costs a shared-memory exchange per tile, so it wins where the MMAs are long: on the
+    H200 gate_up at 33-256 rows (1.05-1.21x), qkv at 33-128 and down at 65-128 (1.15-1.23x); see the table.
   * many rows (quant_dense.py): the weights dequantized to a dense W^T in x's dtype, then one cuBLAS matmul.
 The two kernels split K when the (M, N) tiles alone cannot fill the GPU, the splits reduced inside the same launch
 by the last program of each tile (quant_gemm_common.py): deterministic, no second kernel.

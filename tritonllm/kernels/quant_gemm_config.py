@@ -4,7 +4,7 @@ Three paths, picked per call from M:
   * GEMV (`gemv=True`, decode): one activation row per program, the packed weights streamed through CUDA-core
     FMAs. Memory bound: what matters is enough programs in flight to keep DRAM busy, hence split-K.
   * GEMM (neither flag): tl.dot over dequantized tiles, BLOCK_M >= 16 (the MMA height); small M splits K as
-    well, larger M runs unsplit with wgmma-sized tiles.
+    well, larger M runs unsplit with wgmma-sized tiles; `swap_ab` computes y^T = W^T x^T (quant_gemm.py).
   * dequantize + matmul (`dequant=True`, from `DEQUANT_MIN_M` rows): a dense W^T written in [BLOCK_K, BLOCK_N]
     tiles, then cuBLAS (quant_dense.py); block_m, split_k and num_stages do not apply.
 
@@ -66,8 +66,8 @@ DEQUANT_CONFIG = QuantGemmConfig(1, 256, 64, 1, 4, 1, dequant=True)
 
 # Hopper (H200, 132 SMs) rows for fp16/bf16 at group size 128, Llama-3.1-8B's projections (qkv, o, gate_up, down);
 # other shapes and M buckets fall back to the generic heuristics below (from 129 rows: dequantize + matmul, which on
-# the H200 beat the best tl.dot launch at M = 256 on gate_up, 180 vs 257 us, and down, 102 vs 135 us, and ran
-# within 0.84-0.95x of the dense matmul at M = 2048). Measured with `python benchmarks/quant_gemm.py --sweep` on
+# the H200 beat the best unswapped tl.dot launch at M = 256 on gate_up, 180 vs 257 us, and down, 102 vs 135 us, and
+# ran within 0.84-0.95x of the dense matmul at M = 2048; the swapped kernel beats it on gate_up up to 256 rows). Measured with `python benchmarks/quant_gemm.py --sweep` on
 # an H200 (triton 3.6, fp16); each comment gives the time and the speed-up over the cuBLAS fp16 matmul, both timed
 # as CUDA graph replays over weight copies that exceed L2 (docs/benchmarks.md).
 HOPPER_TABLE: tuple[LaunchRule, ...] = (
@@ -111,8 +111,8 @@ HOPPER_TABLE: tuple[LaunchRule, ...] = (
         m=(17, 32), n=(4096, 4096), k=(14336, 14336), config=QuantGemmConfig(32, 128, 128, 8, 4, 3)
     ),  # M=32 down: 33.0 us, dense / this 1.00
     LaunchRule(
-        m=(33, 64), n=(6144, 6144), k=(4096, 4096), config=QuantGemmConfig(64, 64, 128, 4, 8, 3)
-    ),  # M=64 qkv: 24.4 us, dense / this 0.67
+        m=(33, 64), n=(6144, 6144), k=(4096, 4096), config=QuantGemmConfig(64, 64, 128, 4, 4, 3, swap_ab=True)
+    ),  # M=64 qkv: 18.9 us (unswapped 23.3), dense / this 0.88
     LaunchRule(
         m=(33, 64), n=(4096, 4096), k=(4096, 4096), config=QuantGemmConfig(64, 64, 128, 4, 8, 3)
     ),  # M=64 o: 16.4 us, dense / this 0.72
@@ -123,21 +123,21 @@ HOPPER_TABLE: tuple[LaunchRule, ...] = (
         m=(33, 64), n=(4096, 4096), k=(14336, 14336), config=QuantGemmConfig(64, 64, 128, 4, 8, 3)
     ),  # M=64 down: 42.8 us, dense / this 0.83
     LaunchRule(
-        m=(65, 128), n=(6144, 6144), k=(4096, 4096), config=QuantGemmConfig(128, 64, 128, 1, 8, 3)
-    ),  # M=128 qkv: 32.9 us (dequantize + matmul 35.3), dense / this 0.52
+        m=(65, 128), n=(6144, 6144), k=(4096, 4096), config=QuantGemmConfig(128, 64, 64, 4, 4, 3, swap_ab=True)
+    ),  # M=128 qkv: 28.6 us (unswapped 32.8, dequantize + matmul 34.7), dense / this 0.60
     LaunchRule(
         m=(65, 128), n=(4096, 4096), k=(4096, 4096), config=QuantGemmConfig(128, 64, 128, 2, 8, 3)
     ),  # M=128 o: 22.1 us (dequantize + matmul 25.9), dense / this 0.63
     LaunchRule(
-        m=(65, 128), n=(28672, 28672), k=(4096, 4096), config=QuantGemmConfig(128, 128, 128, 1, 8, 3, swap_ab=True)
-    ),  # M=128 gate_up: 95.0 us (unswapped 114.9), dense / this 1.10
+        m=(65, 128), n=(28672, 28672), k=(4096, 4096), config=QuantGemmConfig(128, 128, 64, 1, 4, 3, swap_ab=True)
+    ),  # M=96 / 128 gate_up: 95.2 / 95.4 us (unswapped 100.5 / 114.9), dense / this 0.65 / 1.10
     LaunchRule(
-        m=(65, 128), n=(4096, 4096), k=(14336, 14336), config=QuantGemmConfig(128, 64, 64, 4, 8, 3)
-    ),  # M=128 down: 62.6 us, dense / this 0.58
+        m=(65, 128), n=(4096, 4096), k=(14336, 14336), config=QuantGemmConfig(128, 64, 128, 4, 4, 3, swap_ab=True)
+    ),  # M=128 down: 51.9 us (unswapped 61.5), dense / this 0.71
     # 129-256 rows, gate_up only (the others keep dequantize + matmul): the swapped tl.dot kernel's 256-row tile.
     LaunchRule(
         m=(129, 256), n=(28672, 28672), k=(4096, 4096), config=QuantGemmConfig(256, 128, 64, 1, 8, 3, swap_ab=True)
-    ),  # M=256 gate_up: 146.1 us (dequantize + matmul 172.8), dense / this 0.63
+    ),  # M=160 / 192 / 256 gate_up: 145.8 / 145.7 / 146.1 us (dequantize + matmul 146.8 / 153.1 / 172.8)
 )
 
 # Split-K: programs the grid should reach per SM, and K tiles each split walks at least. Up to 16 rows the launch
