@@ -67,9 +67,10 @@ DEQUANT_CONFIG = QuantGemmConfig(1, 256, 64, 1, 4, 1, dequant=True)
 # Hopper (H200, 132 SMs) rows for fp16/bf16 at group size 128, Llama-3.1-8B's projections (qkv, o, gate_up, down);
 # other shapes and M buckets fall back to the generic heuristics below (from 129 rows: dequantize + matmul, which on
 # the H200 beat the best unswapped tl.dot launch at M = 256 on gate_up, 180 vs 257 us, and down, 102 vs 135 us, and
-# ran within 0.84-0.95x of the dense matmul at M = 2048; the swapped kernel beats it on gate_up up to 256 rows). Measured with `python benchmarks/quant_gemm.py --sweep` on
-# an H200 (triton 3.6, fp16); each comment gives the time and the speed-up over the cuBLAS fp16 matmul, both timed
-# as CUDA graph replays over weight copies that exceed L2 (docs/benchmarks.md).
+# ran within 0.84-0.95x of the dense matmul at M = 2048; the swapped kernel beats it on gate_up up to 256 rows).
+# Measured with `python benchmarks/quant_gemm.py --sweep` on an H200 (triton 3.6, fp16); each comment gives the time
+# and the speed-up over the cuBLAS fp16 matmul, both timed as CUDA graph replays over weight copies that exceed L2
+# (docs/benchmarks.md).
 HOPPER_TABLE: tuple[LaunchRule, ...] = (
     # M = 1: `quant_gemm.py --sweep --sweep-ms 1`, timed as CUDA graph replays (fp16, group 128).
     LaunchRule(
