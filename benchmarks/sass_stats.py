@@ -35,7 +35,6 @@ _POINTERS = {
     "qweight_ptr": "*i32",
     "qzeros_ptr": "*i32",
     "scales_ptr": "*fp16",
-    "perm_ptr": "*i32",
     "bias_ptr": "*fp16",
     "out_ptr": "*fp16",
     "partial_ptr": "*fp32",
@@ -89,7 +88,7 @@ def opcode(text: str) -> str:
 
 
 def report(kind: str, block_m: int, block_n: int, block_k: int, warps: int, stages: int, group: int) -> None:
-    common = dict(BITS=4, GROUP_SIZE=group, ZERO_OFFSET=0, HAS_PERM=False, HAS_BIAS=False, SPLIT=True)
+    common = dict(BITS=4, GROUP_SIZE=group, ZERO_OFFSET=0, HAS_BIAS=False, SPLIT=True)
     common.update(GROUPS="tile", BLOCK_N=block_n, BLOCK_K=block_k)
     if kind == "gemv":
         cc = compile_sm90(_quant_gemv_kernel, dict(common, PREFETCH=stages > 1), warps, 1)

@@ -47,7 +47,6 @@ def _quant_gemm_kernel(
     qweight_ptr,
     qzeros_ptr,
     scales_ptr,
-    perm_ptr,
     bias_ptr,
     out_ptr,
     partial_ptr,
@@ -72,7 +71,6 @@ def _quant_gemm_kernel(
     GROUP_SIZE: tl.constexpr,
     ZERO_OFFSET: tl.constexpr,
     GROUPS: tl.constexpr,
-    HAS_PERM: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -115,11 +113,8 @@ def _quant_gemm_kernel(
             w = tl.reshape(tl.permute(w, (1, 0, 2)), (BLOCK_K, BLOCK_N))
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < K
-        cols = offs_k
-        if HAS_PERM:
-            cols = tl.load(perm_ptr + offs_k, mask=mask_k, other=0)
         x = tl.load(
-            x_ptr + offs_m64[:, None] * stride_x_m + cols.to(tl.int64)[None, :] * stride_x_k,
+            x_ptr + offs_m64[:, None] * stride_x_m + offs_k.to(tl.int64)[None, :] * stride_x_k,
             mask=mask_m[:, None] & mask_k[None, :],
             other=0.0,
         )
@@ -163,6 +158,10 @@ def _launch(x, qweight, qzeros, scales, perm, bias, n, bits, group_size, zero_of
         return dequantized_matmul(x2, qweight, qzeros, scales, perm, bias, bits, group, zero_offset, cfg).reshape(
             *lead, n
         )
+    if perm is not None:
+        # Act-order: one gather of x's columns up front. Gathered inside the kernels, x was read element by element
+        # (H200: 1.3-1.6x the plain time at one row, 3-15x from 16 rows; docs/benchmarks.md).
+        x2 = x2.index_select(1, perm)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     split = cfg.split_k if m * n < 2**31 else 1  # split-K offsets within a split are int32
     k_per_split = triton.cdiv(triton.cdiv(k, split), cfg.block_k) * cfg.block_k
@@ -179,7 +178,6 @@ def _launch(x, qweight, qzeros, scales, perm, bias, n, bits, group_size, zero_of
         qweight,
         qzeros,
         scales,
-        perm if perm is not None else qweight,  # unused pointer when HAS_PERM is False
         bias if bias is not None else scales,  # unused pointer when HAS_BIAS is False
         out,
         partial,
@@ -206,7 +204,6 @@ def _launch(x, qweight, qzeros, scales, perm, bias, n, bits, group_size, zero_of
         GROUP_SIZE=group,
         ZERO_OFFSET=zero_offset,
         GROUPS=grouping(group, k, bits, cfg.block_k),
-        HAS_PERM=perm is not None,
         HAS_BIAS=bias is not None,
         SPLIT=split_k > 1,
         BLOCK_N=cfg.block_n,

@@ -30,7 +30,6 @@ def _quant_gemv_kernel(
     qweight_ptr,
     qzeros_ptr,
     scales_ptr,
-    perm_ptr,
     bias_ptr,
     out_ptr,
     partial_ptr,
@@ -55,7 +54,6 @@ def _quant_gemv_kernel(
     GROUP_SIZE: tl.constexpr,
     ZERO_OFFSET: tl.constexpr,
     GROUPS: tl.constexpr,  # "tile": one group per K tile, "word": per word row, "row": per K row
-    HAS_PERM: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SPLIT: tl.constexpr,
     PREFETCH: tl.constexpr,
@@ -131,8 +129,6 @@ def _quant_gemv_kernel(
                 p = h * (PACK // 2) + j
                 pos = j * BITS
                 k = offs_kw * PACK + p
-                if HAS_PERM:
-                    k = tl.load(perm_ptr + k, mask=mask_kw, other=0)
                 xp = tl.load(x_row + k.to(tl.int64) * stride_x_k, mask=mask_kw, other=0.0).to(tl.float32)
                 v = (half & ((((1 << BITS) - 1) << pos) | 0x4B000000)).to(tl.float32, bitcast=True)
                 if GROUPS == "row":  # groups narrower than a word: scales per K row

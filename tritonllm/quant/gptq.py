@@ -7,7 +7,7 @@ qzeros in words of 32 // bits columns):
 After loading, each layer picks how it runs:
   * "fused": bits 2 / 4 / 8 and g_idx either regular (k // g) or a permutation of regular groups (act-order /
     desc_act). For act-order the packed rows are permuted once, here, so that groups become runs of g rows, and
-    the GEMM kernel reads x[:, perm] (a gather inside the kernel, no per-call pass over the activations).
+    the GEMM multiplies x[:, perm] (one gather of x's columns per call, then the plain kernels).
   * "dequant": 3-bit, or g_idx that is not a permutation of regular groups, or fused shards whose g_idx differ, or
     a row-parallel act-order shard (it keeps every group's scales, its g_idx global group ids): the dequantization
     kernel (which follows g_idx itself) builds the dense weight per call, then a matmul.
