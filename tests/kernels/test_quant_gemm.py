@@ -231,6 +231,13 @@ def test_every_candidate_and_table_row_is_a_valid_launch():
             check_config(rule.config, bits)
 
 
+def test_every_table_row_is_a_sweep_candidate():
+    # The table is what `quant_gemm.py --sweep` picked, so a re-sweep can find each row again (split-K aside).
+    for rule in HOPPER_TABLE:
+        candidates = sweep_candidates(min(rule.m[1], 4096))
+        assert dataclasses.replace(rule.config, split_k=0) in candidates or rule.config.dequant, rule
+
+
 def test_table_rows_do_not_overlap():
     # The first matching row wins: two rows claiming one shape would leave the second one dead.
     for i, a in enumerate(HOPPER_TABLE):

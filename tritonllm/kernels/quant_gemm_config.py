@@ -239,9 +239,12 @@ def sweep_candidates(m: int) -> list[QuantGemmConfig]:
         for block_n in (64, 128, 256):
             for block_k in (32, 64, 128):
                 warps = 8 if block_m >= 64 else 4  # 64-row tiles: two warpgroups; larger tiles spill on sm_90
-                if block_n * block_k <= 16384 and block_m * block_n <= 4096 * warps and block_m * block_k <= 16384:
-                    for swap_ab in (False, True):
-                        out.append(QuantGemmConfig(block_m, block_n, block_k, 0, warps, 3, swap_ab=swap_ab))
+                launches = [(False, warps), (True, warps)]
+                if block_m >= 64:  # swapped, the weight tile is the MMA's M side: one warpgroup can hold it
+                    launches.append((True, 4))
+                for swap_ab, w in launches:
+                    if block_n * block_k <= 16384 and block_m * block_n <= 4096 * w and block_m * block_k <= 16384:
+                        out.append(QuantGemmConfig(block_m, block_n, block_k, 0, w, 3, swap_ab=swap_ab))
     if m >= 64:  # dequantize + matmul: the dequantization tile (split_k is always 1)
         for block_n in (128, 256, 512):
             for block_k in (32, 64, 128):
