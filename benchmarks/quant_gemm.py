@@ -105,7 +105,7 @@ def run_default(shapes, batches, dtype: torch.dtype, g: int, sms: int, device: t
         packed_bytes = qw.numel() * 4 + qz.numel() * 4 + s.numel() * 2
         for m in batches:
             x = torch.randn(m, k, device=device, dtype=dtype)
-            cfg = quant_gemm_config(m, n, k, 4, sms)
+            cfg = quant_gemm_config(m, n, k, 4, sms, dtype == torch.float16)
             us = {
                 key: stream_us(fn, dense if key == "dense" else packed, device)
                 for key, fn in _calls(x, perm, g, cfg).items()
@@ -143,7 +143,7 @@ def _cdiv(a: int, b: int) -> int:
 def _describe(cfg: QuantGemmConfig) -> str:
     if cfg.dequant:
         return f"dequant+mm n{cfg.block_n} k{cfg.block_k} w{cfg.num_warps}"
-    kind = "gemv" if cfg.gemv else f"{'swap' if cfg.swap_ab else 'dot'} m{cfg.block_m}"
+    kind = f"gemv m{cfg.block_m}" if cfg.gemv else f"{'swap' if cfg.swap_ab else 'dot'} m{cfg.block_m}"
     return f"{kind} n{cfg.block_n} k{cfg.block_k} s{cfg.split_k} w{cfg.num_warps} st{cfg.num_stages}"
 
 
@@ -151,8 +151,7 @@ def _with_split(cfg: QuantGemmConfig, m: int, n: int, k: int, sms: int, split: i
     if cfg.dequant:
         return cfg
     if split is None:
-        m_tiles = m if cfg.gemv else _cdiv(m, cfg.block_m)
-        split = auto_split_k(m, m_tiles, _cdiv(n, cfg.block_n), k, cfg.block_k, sms)
+        split = auto_split_k(m, _cdiv(m, cfg.block_m), _cdiv(n, cfg.block_n), k, cfg.block_k, sms)
     return dataclasses.replace(cfg, split_k=split)
 
 
@@ -172,6 +171,7 @@ def _time_config(x, packed, g, cfg, expected) -> float | None:
 
 def run_sweep(shapes, ms, dtype: torch.dtype, g: int, sms: int, device: torch.device, limit: int = 0) -> dict:
     best_rows, rules, results = [], [], []
+    paired = dtype == torch.float16  # the 4-bit fp16 operands here are the paired GEMV's
     for m in ms:
         bucket = next(b for b in M_BUCKETS if b[0] <= m <= b[1])
         for name, (k, n) in shapes.items():
@@ -180,10 +180,10 @@ def run_sweep(shapes, ms, dtype: torch.dtype, g: int, sms: int, device: torch.de
             expected = gptq_gemm(x, *packed[0], 4, g, 0).float()
             dense = stream_copies(torch.randn(k, n, device=device, dtype=dtype))
             dense_ms = stream_us(lambda w, x=x: x @ w, dense, device) / 1e3
-            default = quant_gemm_config(m, n, k, 4, sms)
+            default = quant_gemm_config(m, n, k, 4, sms, paired)
             default_ms = _time_config(x, packed, g, default, expected)
             stage1 = []
-            for cand in sweep_candidates(m)[: limit or None]:
+            for cand in sweep_candidates(m, paired)[: limit or None]:
                 cfg = _with_split(cand, m, n, k, sms)
                 t = _time_config(x, packed, g, cfg, expected)
                 if t is not None:
@@ -191,8 +191,7 @@ def run_sweep(shapes, ms, dtype: torch.dtype, g: int, sms: int, device: torch.de
             stage1.sort(key=lambda r: r[0])
             timed = list(stage1)
             for _, cfg in [r for r in stage1 if not r[1].dequant][:3]:
-                m_tiles = m if cfg.gemv else _cdiv(m, cfg.block_m)
-                for split in sweep_splits(m, m_tiles, _cdiv(n, cfg.block_n), k, cfg.block_k, sms):
+                for split in sweep_splits(m, _cdiv(m, cfg.block_m), _cdiv(n, cfg.block_n), k, cfg.block_k, sms):
                     if split != cfg.split_k:
                         cand = _with_split(cfg, m, n, k, sms, split)
                         t = _time_config(x, packed, g, cand, expected)
@@ -208,10 +207,11 @@ def run_sweep(shapes, ms, dtype: torch.dtype, g: int, sms: int, device: torch.de
                 [m, name, dense_ms * 1e3, default_ms * 1e3 if default_ms else float("nan"), best_ms * 1e3,
                  dense_ms / best_ms, _describe(best)]
             )  # fmt: skip
+            extra = ", paired_only=True" if paired and best.gemv else ""
             rules.append(
                 f"    LaunchRule(m={bucket}, n=({n}, {n}), k=({k}, {k}), config=QuantGemmConfig({best.block_m}, "
                 f"{best.block_n}, {best.block_k}, {best.split_k}, {best.num_warps}, {best.num_stages}, "
-                f"gemv={best.gemv}, dequant={best.dequant}, swap_ab={best.swap_ab})),  "
+                f"gemv={best.gemv}, dequant={best.dequant}, swap_ab={best.swap_ab}){extra}),  "
                 f"# M={m} {name}: {best_ms * 1e3:.1f} us, dense / this {dense_ms / best_ms:.2f}"
             )
             log(f"sweep M={m} {name}: best {_describe(best)} {best_ms * 1e3:.1f} us (dense {dense_ms * 1e3:.1f} us)")

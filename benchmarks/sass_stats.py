@@ -29,6 +29,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from tritonllm.kernels.quant_gemm import _quant_gemm_kernel  # noqa: E402
 from tritonllm.kernels.quant_gemm_config import HOPPER_TABLE  # noqa: E402
 from tritonllm.kernels.quant_gemv import _quant_gemv_kernel  # noqa: E402
+from tritonllm.kernels.quant_gemv_f16 import _quant_gemv_f16_kernel  # noqa: E402
 
 _POINTERS = {
     "x_ptr": "*fp16",
@@ -93,6 +94,11 @@ def report(kind: str, block_m: int, block_n: int, block_k: int, warps: int, stag
     if kind == "gemv":
         cc = compile_sm90(_quant_gemv_kernel, dict(common, PREFETCH=stages > 1), warps, 1)
         label = f"gemv n{block_n} k{block_k} w{warps} st{stages}"
+    elif kind == "gemv_f16":
+        del common["BITS"]
+        extra = dict(PREFETCH=stages > 1, BLOCK_M=block_m, INTERPRET=False)
+        cc = compile_sm90(_quant_gemv_f16_kernel, dict(common, **extra), warps, 1)
+        label = f"gemv_f16 m{block_m} n{block_n} k{block_k} w{warps} st{stages}"
     else:
         extra = dict(DOT_PRECISION="tf32", INTERPRET=False, BLOCK_M=block_m, SWAP_AB=False)
         cc = compile_sm90(_quant_gemm_kernel, dict(common, **extra), warps, stages)
@@ -105,7 +111,7 @@ def report(kind: str, block_m: int, block_n: int, block_k: int, warps: int, stag
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kernel", choices=["gemv", "dot"], default=None, help="default: the table's launches")
+    parser.add_argument("--kernel", choices=["gemv", "gemv_f16", "dot"], default=None, help="default: the table's launches")
     parser.add_argument("--block-m", type=int, default=16)
     parser.add_argument("--block-n", type=int, default=64)
     parser.add_argument("--block-k", type=int, default=128)

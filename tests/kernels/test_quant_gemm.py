@@ -1,6 +1,7 @@
 """Fused quantized GEMM: y = x[:, perm] @ dequant(W) (+ bias) per activation dtype, for GPTQ-packed weights of
-2, 4 and 8 bits (v1 / v2 zeros; AWQ is repacked into this layout), through the GEMV kernel, the tl.dot kernel
-(unsplit and split-K) and dequantize + matmul, for groups that are whole tiles, whole words or narrower than a word."""
+2, 4 and 8 bits (v1 / v2 zeros; AWQ is repacked into this layout), through the GEMV kernels (the paired fp16 one
+for fp16 activations and 4-bit weights, the fp32 one otherwise), the tl.dot kernel (unsplit and split-K) and
+dequantize + matmul, for groups that are whole tiles, whole words or narrower than a word."""
 
 import dataclasses
 
@@ -36,6 +37,7 @@ KINDS = {
     "auto": None,
     "gemv": QuantGemmConfig(1, 32, 32, 1, 4, 2, gemv=True),  # next tile's loads issued one iteration ahead
     "gemv1": QuantGemmConfig(1, 32, 32, 1, 4, 1, gemv=True),  # no prefetch
+    "gemv_rows": QuantGemmConfig(4, 32, 32, 1, 4, 2, gemv=True),  # paired fp16 GEMV: 4 rows per program
     "dot": QuantGemmConfig(16, 32, 32, 1, 4, 2),
     "dot_swap": QuantGemmConfig(16, 32, 32, 1, 4, 2, swap_ab=True),  # y^T = W^T x^T
     "dequant": QuantGemmConfig(1, 32, 32, 1, 4, 1, dequant=True),
@@ -91,6 +93,10 @@ def _weights(k, n, bits, group_size, seed):
     dtype=torch.bfloat16, kind="dot_swap", split=3,
 )  # fmt: skip
 @example(
+    seed=12, m=17, bits=4, n_words=5, k_words=17, group_size=32, act_order=True, zero_offset=1, has_bias=True,
+    dtype=torch.float16, kind="gemv_rows", split=3,
+)  # fmt: skip
+@example(
     seed=10, m=3, bits=2, n_words=5, k_words=17, group_size=32, act_order=False, zero_offset=1, has_bias=False,
     dtype=torch.float32, kind="gemv", split=3,
 )  # fmt: skip
@@ -132,18 +138,44 @@ def test_leading_dims_flatten_into_rows():
     assert_close(y, gptq_gemm_ref(x, qweight, qzeros, scales, 4, 32), torch.float16, scale=TOL_SCALE)
 
 
-@pytest.mark.parametrize("kind", ["gemv", "gemv1", "dot", "dot_swap"])
-def test_split_k_is_deterministic_and_leaves_its_counters_zeroed(kind):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("kind", ["gemv", "gemv1", "gemv_rows", "dot", "dot_swap"])
+def test_split_k_is_deterministic_and_leaves_its_counters_zeroed(kind, dtype):
     # The last program of a tile adds the partials in split order, whatever order the programs finished in, and
     # resets the tile's arrival counter for the next launch.
     qweight, qzeros, scales = _weights(256, 40, 4, 32, seed=11)
-    x = randn(2, 256, dtype=torch.float32, seed=12)
+    x = randn(3, 256, dtype=dtype, seed=12)
     first = gptq_gemm(x, qweight, qzeros, scales, 4, 32, config=_config(kind, 4))
     again = gptq_gemm(x, qweight, qzeros, scales, 4, 32, config=_config(kind, 4))
     assert torch.equal(first, again)
     assert all(int(locks.abs().sum()) == 0 for locks in _COUNTERS.values())
     unsplit = gptq_gemm(x, qweight, qzeros, scales, 4, 32, config=_config(kind, 1))
-    assert_close(first, unsplit, torch.float32)
+    assert_close(first, unsplit, dtype, scale=TOL_SCALE)
+
+
+@pytest.mark.parametrize(
+    ("group_size", "block_k"), [(8, 32), (16, 64), (24, 32), (4, 32)]
+)  # groups of 1, 2 and 3 words inside a tile; 4 (half a word) goes to the fp32 GEMV
+@pytest.mark.parametrize("block_m", [1, 2, 8])
+def test_paired_gemv_groups_inside_a_tile(group_size, block_k, block_m):
+    # Scales and zeros change from one word row to the next within a K tile (zeros up to 16 with v1's offset).
+    k, n = 96, 40
+    qweight, qzeros, scales = _weights(k, n, 4, group_size, seed=group_size + block_m)
+    x = randn(5, k, dtype=torch.float16, seed=block_k)
+    cfg = QuantGemmConfig(block_m, 32, block_k, 2, 4, 2, gemv=True)
+    y = gptq_gemm(x, qweight, qzeros, scales, 4, group_size, 1, config=cfg)
+    expected = gptq_gemm_ref(x, qweight, qzeros, scales, 4, group_size, 1)
+    assert_close(y, expected, torch.float16, scale=TOL_SCALE)
+
+
+def test_paired_gemv_reads_strided_and_offset_rows():
+    # x read as int32 words: a view whose rows are not 4-byte aligned, or whose K stride is not 1, is copied first.
+    qweight, qzeros, scales = _weights(64, 24, 4, 32, seed=14)
+    base = randn(4, 65, dtype=torch.float16, seed=15)
+    cfg = QuantGemmConfig(2, 32, 32, 1, 4, 1, gemv=True)
+    for x in (base[:, 1:], base.t().contiguous().t()[:, :64], randn(64, 3, dtype=torch.float16, seed=16).t()):
+        y = gptq_gemm(x, qweight, qzeros, scales, 4, 32, 0, config=cfg)
+        assert_close(y, gptq_gemm_ref(x, qweight, qzeros, scales, 4, 32, 0), torch.float16, scale=TOL_SCALE)
 
 
 @given(
@@ -204,6 +236,10 @@ def test_launch_heuristics():
     for n, k in ((4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336)):
         decode = generic_config(1, n, k, sms=h200)
         assert decode.gemv and decode.block_m == 1
+        # The paired fp16 GEMV serves a few rows in one pass over the weights.
+        rows = generic_config(3, n, k, sms=h200, paired=True)
+        assert rows.gemv and rows.block_m == 4
+        assert not generic_config(3, n, k, sms=h200).gemv
         # A batch of one still puts several programs on every SM.
         assert -(-n // decode.block_n) * decode.split_k >= 2 * h200
         small = generic_config(16, n, k, sms=h200)
@@ -224,9 +260,10 @@ def test_every_candidate_and_table_row_is_a_valid_launch():
     for bits in (2, 4, 8):
         for low, high in M_BUCKETS:
             for m in {low, min(high, 4096)}:
-                for cfg in sweep_candidates(m):
-                    check_config(QuantGemmConfig(**{**_fields(cfg), "split_k": 1}), bits)
-                check_config(quant_gemm_config(m, 4096, 4096, bits, sms=132), bits)
+                for paired in (False, True):
+                    for cfg in sweep_candidates(m, paired):
+                        check_config(QuantGemmConfig(**{**_fields(cfg), "split_k": 1}), bits)
+                    check_config(quant_gemm_config(m, 4096, 4096, bits, sms=132, paired=paired), bits)
         for rule in HOPPER_TABLE:
             check_config(rule.config, bits)
 
@@ -234,16 +271,17 @@ def test_every_candidate_and_table_row_is_a_valid_launch():
 def test_every_table_row_is_a_sweep_candidate():
     # The table is what `quant_gemm.py --sweep` picked, so a re-sweep can find each row again (split-K aside).
     for rule in HOPPER_TABLE:
-        candidates = sweep_candidates(min(rule.m[1], 4096))
+        candidates = sweep_candidates(min(rule.m[1], 4096), rule.paired_only)
         assert dataclasses.replace(rule.config, split_k=0) in candidates or rule.config.dequant, rule
 
 
 def test_table_rows_do_not_overlap():
-    # The first matching row wins: two rows claiming one shape would leave the second one dead.
+    # The first matching row wins: two rows claiming one shape would leave the second one dead, unless the first
+    # applies to the paired fp16 GEMV's operands only and the second to the rest.
     for i, a in enumerate(HOPPER_TABLE):
         for b in HOPPER_TABLE[i + 1 :]:
             shared = [max(x[0], y[0]) <= min(x[1], y[1]) for x, y in ((a.m, b.m), (a.n, b.n), (a.k, b.k))]
-            assert not all(shared), (a, b)
+            assert not all(shared) or (a.paired_only and not b.paired_only), (a, b)
     # Every row covers whole M buckets, so the sweep's buckets describe the table.
     lows, highs = {low for low, _ in M_BUCKETS}, {high for _, high in M_BUCKETS}
     for rule in HOPPER_TABLE:
@@ -257,7 +295,7 @@ def _fields(cfg):
 @pytest.mark.parametrize(
     ("cfg", "message"),
     [
-        (QuantGemmConfig(2, 32, 32, 1, 4, 2, gemv=True), "block_m 1"),
+        (QuantGemmConfig(16, 32, 32, 1, 4, 2, gemv=True), "block_m <= 8"),
         (QuantGemmConfig(8, 32, 32, 1, 4, 2), ">= 16"),
         (QuantGemmConfig(16, 48, 32, 1, 4, 2), "powers of two"),
         (QuantGemmConfig(16, 32, 32, 0, 4, 2), "split_k"),

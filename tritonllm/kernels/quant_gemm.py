@@ -8,7 +8,9 @@ One layout for every format: GPTQ's (AWQ checkpoints are repacked into it once a
 A row of words is contiguous along N, so a [BLOCK_K // P, BLOCK_N] tile of words is one coalesced load per row.
 
 Three paths; quant_gemm_config.py picks one from M (with every launch heuristic):
-  * `_quant_gemv_kernel` (quant_gemv.py, decode rows): CUDA-core FMAs, one activation row per program.
+  * GEMVs (decode rows), CUDA cores: for fp16 activations, 4-bit weights and fp16 scales `_quant_gemv_f16_kernel`
+    (quant_gemv_f16.py) dequantizes two values per instruction and serves `block_m` rows per pass over the
+    weights; otherwise `_quant_gemv_kernel` (quant_gemv.py), fp32 FMAs, one activation row per program.
   * `_quant_gemm_kernel` (here): each K tile of weights is dequantized in registers to fp32 ((q - z) * s, exact
     up to one rounding, see quant_gemm_common.py), rounded once to x's dtype and fed to tl.dot with an fp32
     accumulator. Every value of a word is produced in the word's own registers, so putting the tile's B rows back
@@ -36,6 +38,7 @@ from tritonllm.kernels.quant_dequant import gptq_dequantize_ref
 from tritonllm.kernels.quant_gemm_common import dequant_words, grouping, load_word_tile, store_output
 from tritonllm.kernels.quant_gemm_config import QuantGemmConfig, check_config, num_sms, quant_gemm_config
 from tritonllm.kernels.quant_gemv import _quant_gemv_kernel
+from tritonllm.kernels.quant_gemv_f16 import _quant_gemv_f16_kernel, paired_gemv_applies
 from tritonllm.platform import INTERPRET, check_kernel_device
 
 FUSED_GPTQ_BITS = (2, 4, 8)
@@ -152,7 +155,8 @@ def _launch(x, qweight, qzeros, scales, perm, bias, n, bits, group_size, zero_of
     if m == 0:
         return x.new_empty(*lead, n)
     group = k if group_size == -1 else group_size
-    cfg = config or quant_gemm_config(m, n, k, bits, num_sms(x.device.index or 0))
+    pairable = paired_gemv_applies(x.dtype, scales.dtype, bits, group, k)
+    cfg = config or quant_gemm_config(m, n, k, bits, num_sms(x.device.index or 0), paired=pairable)
     check_config(cfg, bits)
     if cfg.dequant:
         return dequantized_matmul(x2, qweight, qzeros, scales, perm, bias, bits, group, zero_offset, cfg).reshape(
@@ -162,11 +166,14 @@ def _launch(x, qweight, qzeros, scales, perm, bias, n, bits, group_size, zero_of
         # Act-order: one gather of x's columns up front. Gathered inside the kernels, x was read element by element
         # (H200: 1.3-1.6x the plain time at one row, 3-15x from 16 rows; docs/benchmarks.md).
         x2 = x2.index_select(1, perm)
+    paired = cfg.gemv and pairable
+    if paired and (x2.stride(1) != 1 or x2.stride(0) % 2 or x2.data_ptr() % 4):
+        x2 = x2.clone(memory_format=torch.contiguous_format)  # read as int32 words of two fp16 values
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     split = cfg.split_k if m * n < 2**31 else 1  # split-K offsets within a split are int32
     k_per_split = triton.cdiv(triton.cdiv(k, split), cfg.block_k) * cfg.block_k
     split_k = triton.cdiv(k, k_per_split)  # no empty splits
-    m_tiles = m if cfg.gemv else triton.cdiv(m, cfg.block_m)
+    m_tiles = m if cfg.gemv and not paired else triton.cdiv(m, cfg.block_m)
     grid = (m_tiles, triton.cdiv(n, cfg.block_n), split_k)
     if split_k > 1:
         partial = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)  # [SPLIT_K, M, N]
@@ -200,7 +207,6 @@ def _launch(x, qweight, qzeros, scales, perm, bias, n, bits, group_size, zero_of
         out.stride(1),
     )
     common = dict(
-        BITS=bits,
         GROUP_SIZE=group,
         ZERO_OFFSET=zero_offset,
         GROUPS=grouping(group, k, bits, cfg.block_k),
@@ -212,12 +218,17 @@ def _launch(x, qweight, qzeros, scales, perm, bias, n, bits, group_size, zero_of
         num_stages=cfg.num_stages,
         **dependent_launch(x.device),
     )
-    if cfg.gemv:
-        _quant_gemv_kernel[grid](*args, PREFETCH=cfg.num_stages > 1, **common)
+    if paired:
+        _quant_gemv_f16_kernel[grid](
+            *args, PREFETCH=cfg.num_stages > 1, BLOCK_M=cfg.block_m, INTERPRET=INTERPRET, **common
+        )  # fmt: skip
+    elif cfg.gemv:
+        _quant_gemv_kernel[grid](*args, BITS=bits, PREFETCH=cfg.num_stages > 1, **common)
     else:
         precision = "ieee" if x.dtype == torch.float32 else "tf32"
         _quant_gemm_kernel[grid](
-            *args, DOT_PRECISION=precision, INTERPRET=INTERPRET, BLOCK_M=cfg.block_m, SWAP_AB=cfg.swap_ab, **common
+            *args, BITS=bits, DOT_PRECISION=precision, INTERPRET=INTERPRET, BLOCK_M=cfg.block_m, SWAP_AB=cfg.swap_ab,
+            **common,
         )  # fmt: skip
     return out.reshape(*lead, n)
 

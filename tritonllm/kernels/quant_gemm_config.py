@@ -1,8 +1,9 @@
 """Launch heuristics of the fused W4A16 GEMM (tritonllm/kernels/quant_gemm.py), all in one place.
 
 Three paths, picked per call from M:
-  * GEMV (`gemv=True`, decode): one activation row per program, the packed weights streamed through CUDA-core
-    FMAs. Memory bound: what matters is enough programs in flight to keep DRAM busy, hence split-K.
+  * GEMV (`gemv=True`, decode): the packed weights streamed through CUDA-core FMAs, `block_m` activation rows per
+    program where the paired fp16 kernel runs (fp16 activations and scales, 4-bit; quant_gemv_f16.py), else one.
+    Bound by memory or by issuing instructions: what matters is enough programs in flight, hence split-K.
   * GEMM (neither flag): tl.dot over dequantized tiles, BLOCK_M >= 16 (the MMA height); small M splits K as
     well, larger M runs unsplit with wgmma-sized tiles; `swap_ab` computes y^T = W^T x^T (quant_gemm.py).
   * dequantize + matmul (`dequant=True`, from `DEQUANT_MIN_M` rows): a dense W^T written in [BLOCK_K, BLOCK_N]
@@ -24,7 +25,7 @@ from tritonllm.platform import INTERPRET
 
 @dataclass(slots=True, frozen=True)
 class QuantGemmConfig:
-    block_m: int  # rows per program; 1 for the GEMV kernel
+    block_m: int  # rows per program (the fp32 GEMV kernel runs one whatever this says)
     block_n: int
     block_k: int  # K rows per tile (a multiple of 32 // bits: whole packed words)
     split_k: int  # programs along K (their fp32 partial sums are added by the last one to finish)
@@ -37,25 +38,35 @@ class QuantGemmConfig:
 
 @dataclass(slots=True, frozen=True)
 class LaunchRule:
-    """A row of the table: M, N and K each within an inclusive [low, high] range."""
+    """A row of the table: M, N and K each within an inclusive [low, high] range; `paired_only` rows apply only
+    where the paired fp16 GEMV runs (measured with it; other operands fall through to the next matching row)."""
 
     m: tuple[int, int]
     n: tuple[int, int]
     k: tuple[int, int]
     config: QuantGemmConfig
+    paired_only: bool = False
 
-    def matches(self, m: int, n: int, k: int) -> bool:
+    def matches(self, m: int, n: int, k: int, paired: bool = False) -> bool:
+        if self.paired_only and not paired:
+            return False
         return self.m[0] <= m <= self.m[1] and self.n[0] <= n <= self.n[1] and self.k[0] <= k <= self.k[1]
 
 
 # M buckets the table and the sweep use: decode (1), small batches, up to one 128-row MMA tile, then dequantize +
 # matmul. Inclusive upper bounds.
 M_BUCKETS: tuple[tuple[int, int], ...] = (
-    (1, 1), (2, 4), (5, 16), (17, 32), (33, 64), (65, 128), (129, 256), (257, 2**31 - 1)
+    (1, 1), (2, 4), (5, 8), (9, 16), (17, 32), (33, 64), (65, 128), (129, 256), (257, 2**31 - 1)
 )  # fmt: skip
 # The fallback's GEMV limit: per weight the GEMV kernel issues about 5 instructions per row (sm_90 SASS), the
 # 16-row tl.dot kernel about 8 for all its rows, so from two rows on the dot kernel does less work.
 GEMV_MAX_M = 1
+# The same for the paired fp16 GEMV (quant_gemv_f16.py), which reads the weights once for up to this many rows:
+# 13 instructions per packed word to dequantize, 8 per word and row for the dot.
+PAIRED_GEMV_MAX_M = 4
+# Rows one program of the paired fp16 GEMV serves per pass over the weights: each row adds 8 instructions per packed
+# word to the 13 of dequantizing it, and an fp32 accumulator per row and word held.
+GEMV_MAX_BLOCK_M = 8
 # The fallback's crossover to dequantize + matmul: past one 128-row MMA tile the fused tl.dot kernel runs at 25-45%
 # of the dense matmul's rate, while dequantizing costs one write of W^T whatever M is. On the H200 dequantize +
 # matmul won on all four Llama-3.1-8B projections from 160 rows on (1.5-2.8x at M = 192); vLLM's AWQ layer switches
@@ -166,21 +177,21 @@ def auto_split_k(m: int, m_tiles: int, n_tiles: int, k: int, block_k: int, sms: 
     return max(1, min(wanted, k_tiles // _MIN_TILES_PER_SPLIT, _MAX_SPLIT_K))
 
 
-def generic_config(m: int, n: int, k: int, sms: int) -> QuantGemmConfig:
-    """The fallback: GEMV for a few rows, a 16-row MMA tile up to 16, 32- and 64-row tiles (split K to fill the
-    GPU) up to one 128-row stretch, dequantize + matmul from `DEQUANT_MIN_M` rows."""
+def generic_config(m: int, n: int, k: int, sms: int, paired: bool = False) -> QuantGemmConfig:
+    """The fallback: GEMV for a few rows (all of them in one pass over the weights where the paired fp16 GEMV
+    runs), a 16-row MMA tile up to 16, 32- and 64-row tiles (split K to fill the GPU) up to one 128-row stretch,
+    dequantize + matmul from `DEQUANT_MIN_M` rows."""
     if m >= DEQUANT_MIN_M:
         return DEQUANT_CONFIG
-    if m <= GEMV_MAX_M:
-        block_m, block_n, block_k, warps, stages, gemv = 1, 128, 128, 4, 2, True
+    if m <= (PAIRED_GEMV_MAX_M if paired else GEMV_MAX_M):
+        block_m, block_n, block_k, warps, stages, gemv = triton.next_power_of_2(m), 128, 128, 4, 2, True
     elif m <= 16:
         block_m, block_n, block_k, warps, stages, gemv = 16, 64, 128, 4, 3, False
     elif m <= 32:
         block_m, block_n, block_k, warps, stages, gemv = 32, 128, 64, 4, 3, False
     else:  # up to DEQUANT_MIN_M - 1 rows; 64-row tiles take 8 warps (two warpgroups): 4 spill at BLOCK_N 128
         block_m, block_n, block_k, warps, stages, gemv = 64, 128, 64, 8, 3, False
-    m_tiles = m if gemv else triton.cdiv(m, block_m)
-    split = auto_split_k(m, m_tiles, triton.cdiv(n, block_n), k, block_k, sms)
+    split = auto_split_k(m, triton.cdiv(m, block_m), triton.cdiv(n, block_n), k, block_k, sms)
     return QuantGemmConfig(block_m, block_n, block_k, split, warps, stages, gemv)
 
 
@@ -196,8 +207,8 @@ def check_config(cfg: QuantGemmConfig, bits: int) -> None:
         raise ValueError("a config is either the GEMV kernel (gemv) or dequantize + matmul (dequant), not both")
     if cfg.swap_ab and (cfg.gemv or cfg.dequant):
         raise ValueError("swap_ab applies to the tl.dot kernel only, not to the GEMV or dequantize + matmul")
-    if cfg.gemv and cfg.block_m != 1:
-        raise ValueError(f"the GEMV kernel takes block_m 1 (one row per program), got {cfg.block_m}")
+    if cfg.gemv and cfg.block_m > GEMV_MAX_BLOCK_M:
+        raise ValueError(f"the GEMV kernels take block_m <= {GEMV_MAX_BLOCK_M} rows per program, got {cfg.block_m}")
     if cfg.dequant and cfg.split_k != 1:
         raise ValueError(f"dequantize + matmul does not split K, got split_k {cfg.split_k}")
     if not cfg.gemv and not cfg.dequant and min(sizes) < 16:
@@ -206,28 +217,35 @@ def check_config(cfg: QuantGemmConfig, bits: int) -> None:
         raise ValueError(f"split_k must be >= 1, got {cfg.split_k}")
 
 
-def quant_gemm_config(m: int, n: int, k: int, bits: int = 4, sms: int | None = None) -> QuantGemmConfig:
-    """The launch for y[m, n] = x[m, k] @ W (`sms`: the GPU's SM count, default the current one's)."""
+def quant_gemm_config(
+    m: int, n: int, k: int, bits: int = 4, sms: int | None = None, paired: bool = False
+) -> QuantGemmConfig:
+    """The launch for y[m, n] = x[m, k] @ W (`sms`: the GPU's SM count, default the current one's; `paired`:
+    whether the paired fp16 GEMV takes the operands, quant_gemv_f16.paired_gemv_applies)."""
     sms = sms or num_sms()
     pack = 32 // bits
-    rule = None if INTERPRET else next((r for r in HOPPER_TABLE if r.matches(m, n, k)), None)
-    cfg = rule.config if rule is not None else generic_config(m, n, k, sms)
+    rule = None if INTERPRET else next((r for r in HOPPER_TABLE if r.matches(m, n, k, paired)), None)
+    cfg = rule.config if rule is not None else generic_config(m, n, k, sms, paired)
     if cfg.block_k < pack:  # 2-bit words hold 16 rows
         cfg = replace(cfg, block_k=pack)
     return cfg
 
 
-def sweep_candidates(m: int) -> list[QuantGemmConfig]:
+def sweep_candidates(m: int, paired: bool = False) -> list[QuantGemmConfig]:
     """Launch configs worth timing for M rows on Hopper (split_k 0: `sweep_splits` supplies the splits; dequantize +
-    matmul configs come with split_k 1)."""
+    matmul configs come with split_k 1). `paired`: the operands the paired fp16 GEMV takes, which also runs
+    several rows per program."""
     out: list[QuantGemmConfig] = []
-    if m <= 8:
-        for block_n in (64, 128, 256):
-            for block_k in (64, 128, 256):
-                for warps in (4, 8):
-                    for stages in (1, 2):  # GEMV: 2 loads each tile one iteration ahead
-                        if block_n * block_k < 8192 * warps:  # < 32 words per thread (more spills registers)
-                            out.append(QuantGemmConfig(1, block_n, block_k, 0, warps, stages, gemv=True))
+    if m <= (GEMV_MAX_BLOCK_M if paired else 8):
+        rows = [1 << i for i in range(triton.next_power_of_2(m).bit_length())] if paired else [1]
+        for block_m in rows:
+            for block_n in (64, 128, 256):
+                for block_k in (64, 128, 256):
+                    for warps in (4, 8):
+                        for stages in (1, 2):  # GEMV: 2 loads each tile one iteration ahead
+                            # < 32 words per thread (more spills registers), fewer with more rows
+                            if block_n * block_k * max(1, block_m // 2) < 8192 * warps:
+                                out.append(QuantGemmConfig(block_m, block_n, block_k, 0, warps, stages, gemv=True))
     if m <= 16:
         for block_n in (32, 64, 128):
             for block_k in (64, 128, 256):
