@@ -111,7 +111,9 @@ def report(kind: str, block_m: int, block_n: int, block_k: int, warps: int, stag
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kernel", choices=["gemv", "gemv_f16", "dot"], default=None, help="default: the table's launches")
+    parser.add_argument(
+        "--kernel", choices=["gemv", "gemv_f16", "dot"], default=None, help="default: the table's launches"
+    )
     parser.add_argument("--block-m", type=int, default=16)
     parser.add_argument("--block-n", type=int, default=64)
     parser.add_argument("--block-k", type=int, default=128)

@@ -20,6 +20,7 @@ import triton.language as tl
 from tritonllm.kernels.dependent_launch import wait_for_previous_kernel
 from tritonllm.kernels.quant_gemm_common import group_params, store_output
 
+
 def paired_gemv_applies(x_dtype: torch.dtype, scales_dtype: torch.dtype, bits: int, group: int, k: int) -> bool:
     """Whether `_quant_gemv_f16_kernel` takes these operands: fp16 activations and scales, 4-bit weights, groups of
     whole words (`group` rows; one group when group >= k)."""
