@@ -380,11 +380,17 @@ def parse_args() -> argparse.Namespace:
         "--async-scheduling", action=argparse.BooleanOptionalAction, default=True, help="The engine's default: on."
     )
     p.add_argument("--quant-offline", action="store_true", help="Also run the offline workload on AWQ and GPTQ.")
+    p.add_argument(
+        "--quant-methods", default="awq,gptq", help="4-bit variants in the order they run (default awq,gptq)."
+    )
     add_kernel_override_args(p)
     p.add_argument("--device", default=None, help="Default: cuda when available.")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     args.parts = [x.strip() for x in args.parts.split(",") if x.strip()]
+    args.quant_methods = [x.strip() for x in args.quant_methods.split(",") if x.strip()]
+    if set(args.quant_methods) - {"awq", "gptq"}:
+        p.error(f"--quant-methods takes awq and gptq, got {args.quant_methods}")
     unknown = set(args.parts) - set(PARTS)
     if unknown:
         p.error(f"unknown parts {sorted(unknown)}; choose from {', '.join(PARTS)}")
@@ -417,7 +423,7 @@ def main() -> None:
             )
             free_memory()
         if "quant" in wants:
-            for quant in ("awq", "gptq"):
+            for quant in args.quant_methods:
                 results["variants"][quant] = run_variant(
                     quant,
                     write_model_dir(root, quant, config, quant),

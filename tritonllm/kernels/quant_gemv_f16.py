@@ -158,10 +158,11 @@ def _row_dot(acc, w0, w1, w2, w3, x32, row, M, offs_kw, mask_kw, stride_x_m, INT
     reads x as int32 words, word 4r holding x[8r], x[8r + 1]; they are re-paired (p, p + 4) as the weights are."""
     base = row.to(tl.int64) * (stride_x_m // 2) + offs_kw.to(tl.int64) * 4
     mask = mask_kw & (offs_kw * 0 + row < M)  # (a tensor comparison: the interpreter rejects a scalar mask)
-    a0 = tl.load(x32 + base, mask=mask, other=0)
-    a1 = tl.load(x32 + base + 1, mask=mask, other=0)
-    a2 = tl.load(x32 + base + 2, mask=mask, other=0)
-    a3 = tl.load(x32 + base + 3, mask=mask, other=0)
+    j = tl.arange(0, 4)
+    a = tl.load(x32 + base[:, None] + j[None, :], mask=mask[:, None], other=0)
+    even, odd = tl.split(tl.reshape(a, (a.shape[0], 2, 2)))  # words (0, 2) and (1, 3) of each group of four
+    a0, a2 = tl.split(even)
+    a1, a3 = tl.split(odd)
     x0 = (a0 & 0xFFFF) | (a2 << 16)
     x1 = ((a0 >> 16) & 0xFFFF) | (a2 & -65536)
     x2 = (a1 & 0xFFFF) | (a3 << 16)
