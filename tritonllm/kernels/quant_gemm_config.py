@@ -83,7 +83,38 @@ DEQUANT_CONFIG = QuantGemmConfig(1, 256, 64, 1, 4, 1, dequant=True)
 # and the speed-up over the cuBLAS fp16 matmul, both timed as CUDA graph replays over weight copies that exceed L2
 # (docs/benchmarks.md).
 HOPPER_TABLE: tuple[LaunchRule, ...] = (
-    # M = 1: `quant_gemm.py --sweep --sweep-ms 1`, timed as CUDA graph replays (fp16, group 128).
+    # M = 1, the paired fp16 GEMV: `quant_gemm.py --sweep --sweep-ms 1` (fp16, group 128), graph-timed; "fp32 GEMV"
+    # is that kernel at its own rows below, in the same run.
+    LaunchRule(
+        m=(1, 1),
+        n=(6144, 6144),
+        k=(4096, 4096),
+        config=QuantGemmConfig(1, 128, 128, 11, 4, 2, gemv=True),
+        paired_only=True,
+    ),  # M=1 qkv: 9.1 us (fp32 GEMV 14.4), dense / this 1.65
+    LaunchRule(
+        m=(1, 1),
+        n=(4096, 4096),
+        k=(4096, 4096),
+        config=QuantGemmConfig(1, 128, 128, 16, 4, 2, gemv=True),
+        paired_only=True,
+    ),  # M=1 o: 7.7 us (fp32 GEMV 8.6), dense / this 1.65
+    LaunchRule(
+        m=(1, 1),
+        n=(28672, 28672),
+        k=(4096, 4096),
+        config=QuantGemmConfig(1, 256, 64, 16, 4, 1, gemv=True),
+        paired_only=True,
+    ),  # M=1 gate_up: 28.1 us (fp32 GEMV 33.1), dense / this 2.08
+    LaunchRule(
+        m=(1, 1),
+        n=(4096, 4096),
+        k=(14336, 14336),
+        config=QuantGemmConfig(1, 128, 128, 16, 4, 2, gemv=True),
+        paired_only=True,
+    ),  # M=1 down: 16.1 us (fp32 GEMV 19.4), dense / this 2.04
+    # M = 1, the fp32 GEMV (bf16 activations, or operands the paired GEMV does not take): `quant_gemm.py --sweep
+    # --sweep-ms 1`, timed as CUDA graph replays (fp16, group 128, before the paired GEMV).
     LaunchRule(
         m=(1, 1), n=(6144, 6144), k=(4096, 4096), config=QuantGemmConfig(1, 64, 128, 4, 4, 2, gemv=True)
     ),  # M=1 qkv: 10.8 us (before 11.1), dense / this 1.53
