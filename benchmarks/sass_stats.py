@@ -91,7 +91,7 @@ def opcode(text: str) -> str:
 def report(kind: str, block_m: int, block_n: int, block_k: int, warps: int, stages: int, group: int) -> None:
     common = dict(BITS=4, GROUP_SIZE=group, ZERO_OFFSET=0, HAS_BIAS=False, SPLIT=True)
     common.update(GROUPS="tile", BLOCK_N=block_n, BLOCK_K=block_k)
-    if kind == "gemv":
+    if kind == "gemv":  # the fp32 GEMV
         cc = compile_sm90(_quant_gemv_kernel, dict(common, PREFETCH=stages > 1), warps, 1)
         label = f"gemv n{block_n} k{block_k} w{warps} st{stages}"
     elif kind == "gemv_f16":
@@ -123,11 +123,14 @@ def main() -> None:
     args = parser.parse_args()
     print(f"triton {triton.__version__}, sm_90, fp16, 4-bit, group {args.group_size}")
     if args.kernel is None:  # every distinct fused launch of the H200 table (split-K does not change the loop)
-        launches = dict.fromkeys(replace(r.config, split_k=1) for r in HOPPER_TABLE if not r.config.dequant)
-        for c in launches:
-            report(
-                "gemv" if c.gemv else "dot", c.block_m, c.block_n, c.block_k, c.num_warps, c.num_stages, args.group_size
-            )
+        kinds = {"gemv": "gemv", "paired": "gemv_f16", "dot": "dot"}
+        launches = dict.fromkeys(
+            (replace(r.config, split_k=1), "dot" if not r.config.gemv else "paired" if r.paired_only else "gemv")
+            for r in HOPPER_TABLE
+            if not r.config.dequant
+        )
+        for c, kind in launches:
+            report(kinds[kind], c.block_m, c.block_n, c.block_k, c.num_warps, c.num_stages, args.group_size)
         return
     report(args.kernel, args.block_m, args.block_n, args.block_k, args.warps, args.stages, args.group_size)
 
