@@ -127,8 +127,11 @@ def run_variant(name: str, model_dir: Path, device, args, bandwidth: float, work
         result["decode"] = decode_vs_roofline(engine, args, bandwidth)
     if offline:
         vocab = engine.model_config.vocab_size
-        # Prompts shaped like the workload's, so that no kernel variant compiles inside the timed run.
-        warm_up(engine, synthetic_workload(16, args.input_len, 8, RANGE_RATIO, vocab, args.seed + 1), 16)
+        # Prompts shaped like the workload's, so that no kernel variant compiles (or loads from Triton's disk cache)
+        # inside the timed run: with 16 warm-up requests the first fp16 engine of a process ran up to 30% slower
+        # than the second on the same kernels (docs/benchmarks.md, thirteenth pass).
+        n = args.warmup_prompts
+        warm_up(engine, synthetic_workload(n, args.input_len, 8, RANGE_RATIO, vocab, args.seed + 1), n)
         steps = {"all": 0, "graph": 0}
         execute = engine.runner.execute
 
@@ -380,6 +383,9 @@ def parse_args() -> argparse.Namespace:
         "--async-scheduling", action=argparse.BooleanOptionalAction, default=True, help="The engine's default: on."
     )
     p.add_argument("--quant-offline", action="store_true", help="Also run the offline workload on AWQ and GPTQ.")
+    p.add_argument(
+        "--warmup-prompts", type=int, default=256, help="Short requests run before each offline workload (default 256)."
+    )
     p.add_argument(
         "--quant-methods", default="awq,gptq", help="4-bit variants in the order they run (default awq,gptq)."
     )

@@ -56,14 +56,15 @@ class LaunchRule:
 # M buckets the table and the sweep use: decode (1), small batches, up to one 128-row MMA tile, then dequantize +
 # matmul. Inclusive upper bounds.
 M_BUCKETS: tuple[tuple[int, int], ...] = (
-    (1, 1), (2, 4), (5, 8), (9, 16), (17, 32), (33, 64), (65, 128), (129, 256), (257, 2**31 - 1)
+    (1, 1), (2, 2), (3, 4), (5, 8), (9, 16), (17, 32), (33, 64), (65, 128), (129, 256), (257, 2**31 - 1)
 )  # fmt: skip
 # The fallback's GEMV limit: per weight the GEMV kernel issues about 5 instructions per row (sm_90 SASS), the
 # 16-row tl.dot kernel about 8 for all its rows, so from two rows on the dot kernel does less work.
 GEMV_MAX_M = 1
-# The same for the paired fp16 GEMV (quant_gemv_f16.py), which reads the weights once for up to this many rows:
-# 13 instructions per packed word to dequantize, 8 per word and row for the dot.
-PAIRED_GEMV_MAX_M = 4
+# The same for the paired fp16 GEMV (quant_gemv_f16.py), which reads the weights once for several rows: 13
+# instructions per packed word to dequantize, ~13 per word and row for the dot (x's loads included). On the H200
+# it beat the 16-row tl.dot kernel at 2 rows (1.1-1.3x on three of four projections) and lost from 3.
+PAIRED_GEMV_MAX_M = 2
 # Rows one program of the paired fp16 GEMV serves per pass over the weights: each row adds 8 instructions per packed
 # word to the 13 of dequantizing it, and an fp32 accumulator per row and word held.
 GEMV_MAX_BLOCK_M = 8
@@ -113,6 +114,30 @@ HOPPER_TABLE: tuple[LaunchRule, ...] = (
         config=QuantGemmConfig(1, 128, 128, 16, 4, 2, gemv=True),
         paired_only=True,
     ),  # M=1 down: 16.1 us (fp32 GEMV 19.4), dense / this 2.04
+    # M = 2, the paired fp16 GEMV, two rows per program: `quant_gemm.py --sweep --sweep-ms 2,3` (fp16, group 128);
+    # "tl.dot" is the 16-row kernel's best launch in the same sweep. At 3 rows tl.dot won on every projection, and
+    # at 2 on o (10.1 against 10.0 us for a one-row GEMV: a tie), so those keep the rows further down.
+    LaunchRule(
+        m=(2, 2),
+        n=(6144, 6144),
+        k=(4096, 4096),
+        config=QuantGemmConfig(2, 256, 64, 16, 4, 2, gemv=True),
+        paired_only=True,
+    ),  # M=2 qkv: 10.9 us (tl.dot 13.8), dense / this 1.49
+    LaunchRule(
+        m=(2, 2),
+        n=(28672, 28672),
+        k=(4096, 4096),
+        config=QuantGemmConfig(2, 128, 128, 3, 4, 1, gemv=True),
+        paired_only=True,
+    ),  # M=2 gate_up: 40.4 us (tl.dot 47.7), dense / this 1.44
+    LaunchRule(
+        m=(2, 2),
+        n=(4096, 4096),
+        k=(14336, 14336),
+        config=QuantGemmConfig(2, 128, 64, 32, 4, 2, gemv=True),
+        paired_only=True,
+    ),  # M=2 down: 24.6 us (tl.dot 27.6), dense / this 1.41
     # M = 1, the fp32 GEMV (bf16 activations, or operands the paired GEMV does not take): `quant_gemm.py --sweep
     # --sweep-ms 1`, timed as CUDA graph replays (fp16, group 128, before the paired GEMV).
     LaunchRule(
