@@ -64,6 +64,17 @@ def load_word_tile(qweight_ptr, offs_kw, mask_kw, offs_n, mask_n, stride_qw_k, s
 
 
 @triton.jit
+def load_word_rows(
+    qweight_ptr, k0, k_end, offs_n64, mask_n, stride_qw_k, stride_qw_n, PACK: tl.constexpr, KW: tl.constexpr
+):
+    """The [KW, BLOCK_N] packed words of the K tile at k0 (zeros where k0 >= k_end), for the GEMVs."""
+    offs_kw = k0 // PACK + tl.arange(0, KW)
+    mask = (offs_kw < k_end // PACK)[:, None] & mask_n[None, :]
+    ptrs = qweight_ptr + offs_kw.to(tl.int64)[:, None] * stride_qw_k + offs_n64[None, :] * stride_qw_n
+    return tl.load(ptrs, mask=mask, other=0)
+
+
+@triton.jit
 def dequant_words(
     words,
     offs_kw,

@@ -10,18 +10,7 @@ import triton
 import triton.language as tl
 
 from tritonllm.kernels.dependent_launch import wait_for_previous_kernel
-from tritonllm.kernels.quant_gemm_common import group_params, magic, store_output
-
-
-@triton.jit
-def _load_words(
-    qweight_ptr, k0, k_end, offs_n64, mask_n, stride_qw_k, stride_qw_n, PACK: tl.constexpr, KW: tl.constexpr
-):
-    """The [KW, BLOCK_N] packed words of the K tile at k0 (zeros where k0 >= k_end)."""
-    offs_kw = k0 // PACK + tl.arange(0, KW)
-    mask = (offs_kw < k_end // PACK)[:, None] & mask_n[None, :]
-    ptrs = qweight_ptr + offs_kw.to(tl.int64)[:, None] * stride_qw_k + offs_n64[None, :] * stride_qw_n
-    return tl.load(ptrs, mask=mask, other=0)
+from tritonllm.kernels.quant_gemm_common import group_params, load_word_rows, magic, store_output
 
 
 @triton.jit
@@ -79,7 +68,7 @@ def _quant_gemv_kernel(
     # so their latency overlaps the previous tile's math (more registers per program); nothing past this split's
     # K range is read.
     if PREFETCH:
-        words = _load_words(qweight_ptr, k_start, k_end, offs_n64, mask_n, stride_qw_k, stride_qw_n, PACK, KW)
+        words = load_word_rows(qweight_ptr, k_start, k_end, offs_n64, mask_n, stride_qw_k, stride_qw_n, PACK, KW)
         if GROUPS == "tile":
             z, s = group_params(
                 qzeros_ptr, scales_ptr, k_start // GROUP_SIZE, mask_n & (offs_n * 0 + k_start < k_end), offs_n,
@@ -91,9 +80,9 @@ def _quant_gemv_kernel(
         k1 = k0 + BLOCK_K
         if PREFETCH:
             cur = words
-            words = _load_words(qweight_ptr, k1, k_end, offs_n64, mask_n, stride_qw_k, stride_qw_n, PACK, KW)
+            words = load_word_rows(qweight_ptr, k1, k_end, offs_n64, mask_n, stride_qw_k, stride_qw_n, PACK, KW)
         else:
-            cur = _load_words(qweight_ptr, k0, k_end, offs_n64, mask_n, stride_qw_k, stride_qw_n, PACK, KW)
+            cur = load_word_rows(qweight_ptr, k0, k_end, offs_n64, mask_n, stride_qw_k, stride_qw_n, PACK, KW)
         offs_kw = k0 // PACK + tl.arange(0, KW)
         mask_kw = offs_kw < K // PACK
         # Scales and zeros as [1, BLOCK_N] (one group per tile) or [KW, BLOCK_N] (per word row); 1-D loads

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from tritonllm.kernels.dependent_launch import wait_for_previous_kernel
-from tritonllm.kernels.quant_gemm_common import group_params, store_output
+from tritonllm.kernels.quant_gemm_common import group_params, load_word_rows, store_output
 
 
 def paired_gemv_applies(x_dtype: torch.dtype, scales_dtype: torch.dtype, bits: int, group: int, k: int) -> bool:
@@ -177,15 +177,6 @@ def _as_row(v, r: tl.constexpr, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _load_words(qweight_ptr, k0, k_end, offs_n64, mask_n, stride_qw_k, stride_qw_n, KW: tl.constexpr):
-    """The [KW, BLOCK_N] packed words of the K tile at k0 (zeros where k0 >= k_end)."""
-    offs_kw = k0 // 8 + tl.arange(0, KW)
-    mask = (offs_kw < k_end // 8)[:, None] & mask_n[None, :]
-    ptrs = qweight_ptr + offs_kw.to(tl.int64)[:, None] * stride_qw_k + offs_n64[None, :] * stride_qw_n
-    return tl.load(ptrs, mask=mask, other=0)
-
-
-@triton.jit
 def _quant_gemv_f16_kernel(
     x_ptr,
     qweight_ptr,
@@ -249,15 +240,15 @@ def _quant_gemv_f16_kernel(
     k_start = pid_s * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     if PREFETCH:  # each tile's words loaded one iteration ahead; nothing past this split's K range is read
-        words = _load_words(qweight_ptr, k_start, k_end, offs_n64, mask_n, stride_qw_k, stride_qw_n, KW)
+        words = load_word_rows(qweight_ptr, k_start, k_end, offs_n64, mask_n, stride_qw_k, stride_qw_n, 8, KW)
     # Weights, scales and zeros are no earlier kernel's output: the first tile is in flight while it drains.
     wait_for_previous_kernel(PDL)
     for k0 in range(k_start, k_end, BLOCK_K):
         if PREFETCH:
             cur = words
-            words = _load_words(qweight_ptr, k0 + BLOCK_K, k_end, offs_n64, mask_n, stride_qw_k, stride_qw_n, KW)
+            words = load_word_rows(qweight_ptr, k0 + BLOCK_K, k_end, offs_n64, mask_n, stride_qw_k, stride_qw_n, 8, KW)
         else:
-            cur = _load_words(qweight_ptr, k0, k_end, offs_n64, mask_n, stride_qw_k, stride_qw_n, KW)
+            cur = load_word_rows(qweight_ptr, k0, k_end, offs_n64, mask_n, stride_qw_k, stride_qw_n, 8, KW)
         offs_kw = k0 // 8 + tl.arange(0, KW)
         mask_kw = offs_kw < K // 8
         if GROUPS == "tile":
