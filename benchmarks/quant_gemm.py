@@ -49,6 +49,7 @@ from tritonllm.kernels.quant_gemm_config import (  # noqa: E402
     sweep_candidates,
     sweep_splits,
 )
+from tritonllm.kernels.quant_gemv_f16 import paired_gemv_applies  # noqa: E402
 from tritonllm.quant.pack import pack_awq_int, pack_bits, repack_awq_as_gptq  # noqa: E402
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}  # (K, N)
@@ -105,7 +106,7 @@ def run_default(shapes, batches, dtype: torch.dtype, g: int, sms: int, device: t
         packed_bytes = qw.numel() * 4 + qz.numel() * 4 + s.numel() * 2
         for m in batches:
             x = torch.randn(m, k, device=device, dtype=dtype)
-            cfg = quant_gemm_config(m, n, k, 4, sms, dtype == torch.float16)
+            cfg = quant_gemm_config(m, n, k, 4, sms, paired_gemv_applies(dtype, s.dtype, 4, g, k))
             us = {
                 key: stream_us(fn, dense if key == "dense" else packed, device)
                 for key, fn in _calls(x, perm, g, cfg).items()
@@ -171,11 +172,11 @@ def _time_config(x, packed, g, cfg, expected) -> float | None:
 
 def run_sweep(shapes, ms, dtype: torch.dtype, g: int, sms: int, device: torch.device, limit: int = 0) -> dict:
     best_rows, rules, results = [], [], []
-    paired = dtype == torch.float16  # the 4-bit fp16 operands here are the paired GEMV's
     for m in ms:
         bucket = next(b for b in M_BUCKETS if b[0] <= m <= b[1])
         for name, (k, n) in shapes.items():
             packed = stream_copies(_tensors(k, n, g, device)[0])
+            paired = paired_gemv_applies(dtype, packed[0][2].dtype, 4, g, k)
             x = torch.randn(m, k, device=device, dtype=dtype)
             expected = gptq_gemm(x, *packed[0], 4, g, 0).float()
             dense = stream_copies(torch.randn(k, n, device=device, dtype=dtype))

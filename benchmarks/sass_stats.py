@@ -123,14 +123,13 @@ def main() -> None:
     args = parser.parse_args()
     print(f"triton {triton.__version__}, sm_90, fp16, 4-bit, group {args.group_size}")
     if args.kernel is None:  # every distinct fused launch of the H200 table (split-K does not change the loop)
-        kinds = {"gemv": "gemv", "paired": "gemv_f16", "dot": "dot"}
         launches = dict.fromkeys(
-            (replace(r.config, split_k=1), "dot" if not r.config.gemv else "paired" if r.paired_only else "gemv")
+            (replace(r.config, split_k=1), "dot" if not r.config.gemv else "gemv_f16" if r.paired_only else "gemv")
             for r in HOPPER_TABLE
             if not r.config.dequant
         )
         for c, kind in launches:
-            report(kinds[kind], c.block_m, c.block_n, c.block_k, c.num_warps, c.num_stages, args.group_size)
+            report(kind, c.block_m, c.block_n, c.block_k, c.num_warps, c.num_stages, args.group_size)
         return
     report(args.kernel, args.block_m, args.block_n, args.block_k, args.warps, args.stages, args.group_size)
 

@@ -65,8 +65,8 @@ GEMV_MAX_M = 1
 # instructions per packed word to dequantize, ~13 per word and row for the dot (x's loads included). On the H200
 # it beat the 16-row tl.dot kernel at 2 rows (1.1-1.3x on three of four projections) and lost from 3.
 PAIRED_GEMV_MAX_M = 2
-# Rows one program of the paired fp16 GEMV serves per pass over the weights: each row adds 8 instructions per packed
-# word to the 13 of dequantizing it, and an fp32 accumulator per row and word held.
+# Rows one program of the paired fp16 GEMV serves per pass over the weights: each row adds ~13 instructions per
+# packed word (8 for the dot, the rest x's loads and re-pairing) and an fp32 accumulator per row and word held.
 GEMV_MAX_BLOCK_M = 8
 # The fallback's crossover to dequantize + matmul: past one 128-row MMA tile the fused tl.dot kernel runs at 25-45%
 # of the dense matmul's rate, while dequantizing costs one write of W^T whatever M is. On the H200 dequantize +
