@@ -11,7 +11,8 @@ with a synthetic word-level tokenizer; prompts are token ids. In one run:
   decode   one request decoding alone: tokens/s against the roofline, copy bandwidth (measured here) / bytes a
            step must read (weights + the KV cache of the average context); with CUDA graphs and eagerly.
   quant    the same for AWQ and GPTQ 4-bit variants (fp16, group size 128).
-Each engine's start time (weights, KV-cache profiling and allocation, graph capture) is reported too.
+Each engine's start time (weights, KV-cache profiling and allocation, graph capture) is reported too, and the Triton
+kernel variants compiled (or loaded from the disk cache) during the start and inside the timed offline run.
 Writes e2e.json and e2e.md to --out. `--preset tiny` runs the whole script at toy size (also on a CPU).
 """
 
@@ -33,8 +34,10 @@ from bench_utils import (  # noqa: E402
     add_kernel_override_args,
     apply_kernel_override_args,
     bench_device,
+    compile_summary,
     copy_bandwidth_gbs,
     environment,
+    kernel_compiles,
     log,
     markdown_table,
     write_results,
@@ -112,7 +115,9 @@ def free_memory() -> None:
 
 def run_variant(name: str, model_dir: Path, device, args, bandwidth: float, workload, offline: bool, decode: bool):
     log(f"{name}: starting the engine ...")
-    engine, start = build_engine(model_dir, device, **engine_kwargs(args))
+    with kernel_compiles() as compiled:
+        engine, start = build_engine(model_dir, device, **engine_kwargs(args))
+    start["kernel_compiles"] = compile_summary(compiled)
     log(
         f"{name}: engine up in {start['total_s']:.1f} s ({start['num_graphs']} graphs, "
         f"{start['kv_cache_gib']:.1f} GiB KV cache)"
@@ -131,7 +136,9 @@ def run_variant(name: str, model_dir: Path, device, args, bandwidth: float, work
         # inside the timed run: with 16 warm-up requests the first fp16 engine of a process ran up to 30% slower
         # than the second on the same kernels (docs/benchmarks.md, thirteenth pass).
         n = args.warmup_prompts
-        warm_up(engine, synthetic_workload(n, args.input_len, 8, RANGE_RATIO, vocab, args.seed + 1), n)
+        with kernel_compiles() as compiled:
+            warm_up(engine, synthetic_workload(n, args.input_len, 8, RANGE_RATIO, vocab, args.seed + 1), n)
+        warm_compiles = compile_summary(compiled)
         steps = {"all": 0, "graph": 0}
         execute = engine.runner.execute
 
@@ -145,7 +152,8 @@ def run_variant(name: str, model_dir: Path, device, args, bandwidth: float, work
 
         engine.runner.execute = counting_execute
         log(f"{name}: offline workload of {len(workload)} requests ...")
-        bench = run_bench(engine, workload, progress=True)
+        with kernel_compiles() as compiled:
+            bench = run_bench(engine, workload, progress=True)
         del engine.runner.execute  # back to the class's method
         stats = engine.get_stats()
         result["offline"] = {
@@ -153,8 +161,12 @@ def run_variant(name: str, model_dir: Path, device, args, bandwidth: float, work
             "steps": steps["all"],
             "graph_steps": steps["graph"],
             "preemptions": stats.num_preemptions,
+            "warmup_kernel_compiles": warm_compiles,
+            "kernel_compiles": compile_summary(compiled),
         }
         log(f"{name}: {bench.output_tokens_per_s:,.0f} output tok/s, {bench.requests_per_s:.2f} req/s")
+        for kernel, variants in result["offline"]["kernel_compiles"]["per_kernel"].items():
+            log(f"  compiled in the timed run: {kernel} x{len(variants)}: {variants[0]}")
     return result
 
 
@@ -198,6 +210,8 @@ def report(results: dict[str, Any], args) -> str:
                 o["steps"],
                 o["graph_steps"],
                 o["preemptions"],
+                o["kernel_compiles"]["variants"],
+                o["kernel_compiles"]["seconds"],
             ]
             for n, o in offline
         ]
@@ -216,6 +230,8 @@ def report(results: dict[str, Any], args) -> str:
                     "steps",
                     "graph steps",
                     "preemptions",
+                    "kernels compiled",
+                    "compile s",
                 ],
                 rows,
             ),
@@ -287,6 +303,7 @@ def report(results: dict[str, Any], args) -> str:
                 "graphs",
                 "KV GiB",
                 "KV tokens",
+                "kernels compiled",
             ],
             [
                 [
@@ -299,6 +316,7 @@ def report(results: dict[str, Any], args) -> str:
                     s["num_graphs"],
                     s["kv_cache_gib"],
                     s["kv_cache_tokens"],
+                    s["kernel_compiles"]["variants"],
                 ]
                 for n, s in ((n, v["start"]) for n, v in variants.items())
             ],

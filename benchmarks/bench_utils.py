@@ -4,13 +4,14 @@ writing results as JSON + markdown. Imported by the scripts in this directory (r
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
 import platform
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -184,6 +185,46 @@ def write_results(out_dir: str | os.PathLike, name: str, results: dict[str, Any]
     (out / f"{name}.md").write_text(markdown + "\n")
     print(markdown, flush=True)
     print(f"\nwrote {out / (name + '.json')} and {out / (name + '.md')}", flush=True)
+
+
+@contextlib.contextmanager
+def kernel_compiles() -> Iterator[list[dict[str, Any]]]:
+    """The kernel variants Triton meets for the first time in this process inside the block (compiled, or loaded
+    from its disk cache), each with the seconds it took: what a warm-up left for the timed run. Stays empty under
+    the interpreter, which compiles nothing."""
+    import triton
+
+    found: list[dict[str, Any]] = []
+    started: dict[str, float] = {}
+    hooks = (triton.knobs.runtime.jit_cache_hook, triton.knobs.runtime.jit_post_compile_hook)
+
+    def before(*, key, repr, **_: Any) -> None:
+        started[str(key)] = time.perf_counter()
+        found.append({"kernel": repr.split("[", 1)[0], "variant": repr, "key": str(key), "seconds": None})
+
+    def after(*, key, **_: Any) -> None:
+        for entry in reversed(found):
+            if entry["key"] == str(key) and entry["seconds"] is None:
+                entry["seconds"] = time.perf_counter() - started.pop(str(key))
+                break
+
+    triton.knobs.runtime.jit_cache_hook, triton.knobs.runtime.jit_post_compile_hook = before, after
+    try:
+        yield found
+    finally:
+        triton.knobs.runtime.jit_cache_hook, triton.knobs.runtime.jit_post_compile_hook = hooks
+
+
+def compile_summary(found: list[dict[str, Any]]) -> dict[str, Any]:
+    """Count, seconds and the variants per kernel of a `kernel_compiles` list."""
+    per_kernel: dict[str, list[str]] = {}
+    for entry in found:
+        per_kernel.setdefault(entry["kernel"], []).append(entry["variant"])
+    return {
+        "variants": len(found),
+        "seconds": sum(e["seconds"] or 0.0 for e in found),
+        "per_kernel": dict(sorted(per_kernel.items(), key=lambda kv: -len(kv[1]))),
+    }
 
 
 def log(message: str) -> None:
