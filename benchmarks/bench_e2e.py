@@ -137,7 +137,8 @@ def run_variant(name: str, model_dir: Path, device, args, bandwidth: float, work
         # than the second on the same kernels (docs/benchmarks.md, thirteenth pass).
         n = args.warmup_prompts
         with kernel_compiles() as compiled:
-            warm_up(engine, synthetic_workload(n, args.input_len, 8, RANGE_RATIO, vocab, args.seed + 1), n)
+            if n > 0:
+                warm_up(engine, synthetic_workload(n, args.input_len, 8, RANGE_RATIO, vocab, args.seed + 1), n)
         warm_compiles = compile_summary(compiled)
         steps = {"all": 0, "graph": 0}
         execute = engine.runner.execute

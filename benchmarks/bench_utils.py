@@ -198,9 +198,10 @@ def kernel_compiles() -> Iterator[list[dict[str, Any]]]:
     started: dict[str, float] = {}
     hooks = (triton.knobs.runtime.jit_cache_hook, triton.knobs.runtime.jit_post_compile_hook)
 
-    def before(*, key, repr, **_: Any) -> None:
+    def before(*, key, repr, compile, **_: Any) -> None:
         started[str(key)] = time.perf_counter()
-        found.append({"kernel": repr.split("[", 1)[0], "variant": repr, "key": str(key), "seconds": None})
+        variant = _describe_variant(repr, compile)
+        found.append({"kernel": repr.split("[", 1)[0], "variant": variant, "key": str(key), "seconds": None})
 
     def after(*, key, **_: Any) -> None:
         for entry in reversed(found):
@@ -213,6 +214,25 @@ def kernel_compiles() -> Iterator[list[dict[str, Any]]]:
         yield found
     finally:
         triton.knobs.runtime.jit_cache_hook, triton.knobs.runtime.jit_post_compile_hook = hooks
+
+
+def _describe_variant(repr: str, compile: dict[str, Any]) -> str:
+    """name[launch options] plus what tells variants of one kernel apart: the constexpr values (integer arguments
+    equal to 1 among them) and the integer arguments specialized as multiples of 16."""
+    try:
+        names = list(compile["signature"])
+
+        def name(path: Any) -> str:
+            index = path[0] if isinstance(path, tuple) and path else path
+            return names[index] if isinstance(index, int) and 0 <= index < len(names) else str(path)
+
+        constants = ", ".join(f"{name(k)}={v}" for k, v in compile["constants"].items())
+        divisible = ", ".join(
+            name(k) for k in (compile["configs"][0] or {}) if compile["signature"].get(name(k), "")[:1] != "*"
+        )
+        return f"{repr.split('(', 1)[0]} constants({constants}) ints divisible by 16({divisible})"
+    except (KeyError, IndexError, TypeError, AttributeError):
+        return repr
 
 
 def compile_summary(found: list[dict[str, Any]]) -> dict[str, Any]:

@@ -57,7 +57,9 @@ def _find_seq(query_start_loc_ptr, q_tile, num_seqs, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@triton.jit
+# The per-step counts stay runtime integers: specialized (== 1, multiple of 16), each new class of batch an eager
+# step meets would compile another variant in the middle of serving.
+@triton.jit(do_not_specialize=["num_seqs", "num_splits", "min_query_len", "max_query_len"])
 def _paged_attention_kernel(
     out_ptr,
     q_ptr,

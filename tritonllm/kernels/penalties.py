@@ -43,7 +43,7 @@ def penalized_tile(
     return logits
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])  # one variant for every batch size (see sampling.py)
 def _apply_penalties_kernel(
     logits_ptr, prompt_mask_ptr, output_counts_ptr, repetition_ptr, presence_ptr, frequency_ptr, out_ptr,
     N, V, stride_logits_row, stride_prompt_mask_row, stride_output_counts_row, stride_out_row,

@@ -42,7 +42,9 @@ from tritonllm.platform import check_kernel_device
 HALF_STEP = tl.constexpr(2.0**-32)
 
 
-@triton.jit
+# N (rows this step) is left unspecialized and no constexpr depends on it, so one compiled variant serves
+# every batch size (see paged_attention.py).
+@triton.jit(do_not_specialize=["N"])
 def _sample_kernel(
     logits_ptr, temperature_ptr, seeds_ptr, positions_ptr,
     prompt_mask_ptr, output_counts_ptr, repetition_ptr, presence_ptr, frequency_ptr,
@@ -85,7 +87,7 @@ def _sample_kernel(
         tl.store(tile_tokens_ptr + rows * NUM_TILES + tile, tokens, mask=row_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _pick_tile_kernel(tile_scores_ptr, tile_tokens_ptr, out_ptr, N, NUM_TILES, BLOCK_ROWS: tl.constexpr,
                       BLOCK_TILES: tl.constexpr):  # fmt: skip
     rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
@@ -177,7 +179,7 @@ def sample(
     )  # fmt: skip
     if num_tiles > 1:
         block_tiles = triton.next_power_of_2(num_tiles)
-        pick_rows = min(triton.next_power_of_2(n), max(1, 1024 // block_tiles))
+        pick_rows = max(1, 1024 // block_tiles)  # whatever n is: one variant for every batch size
         _pick_tile_kernel[(triton.cdiv(n, pick_rows),)](
             tile_scores, tile_tokens, out, n, num_tiles, BLOCK_ROWS=pick_rows, BLOCK_TILES=block_tiles
         )
