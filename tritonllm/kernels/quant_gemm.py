@@ -44,7 +44,7 @@ from tritonllm.platform import INTERPRET, check_kernel_device
 FUSED_GPTQ_BITS = (2, 4, 8)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # rows vary per step: one variant for all (see paged_attention.py)
 def _quant_gemm_kernel(
     x_ptr,
     qweight_ptr,

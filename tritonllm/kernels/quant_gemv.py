@@ -13,7 +13,7 @@ from tritonllm.kernels.dependent_launch import wait_for_previous_kernel
 from tritonllm.kernels.quant_gemm_common import group_params, load_word_rows, magic, store_output
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # rows vary per step: one variant for all (see paged_attention.py)
 def _quant_gemv_kernel(
     x_ptr,
     qweight_ptr,

@@ -176,7 +176,7 @@ def _as_row(v, r: tl.constexpr, BLOCK_M: tl.constexpr):
     return tl.where(tl.arange(0, BLOCK_M)[:, None] == r, v[None, :], 0.0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # rows vary per step: one variant for all (see paged_attention.py)
 def _quant_gemv_f16_kernel(
     x_ptr,
     qweight_ptr,
