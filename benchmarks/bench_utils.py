@@ -195,19 +195,18 @@ def kernel_compiles() -> Iterator[list[dict[str, Any]]]:
     import triton
 
     found: list[dict[str, Any]] = []
-    started: dict[str, float] = {}
+    compiling: dict[str, tuple[float, dict[str, Any]]] = {}  # key -> (start, its entry in found)
     hooks = (triton.knobs.runtime.jit_cache_hook, triton.knobs.runtime.jit_post_compile_hook)
 
     def before(*, key, repr, compile, **_: Any) -> None:
-        started[str(key)] = time.perf_counter()
-        variant = _describe_variant(repr, compile)
-        found.append({"kernel": repr.split("[", 1)[0], "variant": variant, "key": str(key), "seconds": None})
+        entry = {"kernel": repr.split("[", 1)[0], "variant": _describe_variant(repr, compile), "seconds": None}
+        found.append(entry)
+        compiling[str(key)] = (time.perf_counter(), entry)
 
     def after(*, key, **_: Any) -> None:
-        for entry in reversed(found):
-            if entry["key"] == str(key) and entry["seconds"] is None:
-                entry["seconds"] = time.perf_counter() - started.pop(str(key))
-                break
+        if str(key) in compiling:
+            start, entry = compiling.pop(str(key))
+            entry["seconds"] = time.perf_counter() - start
 
     triton.knobs.runtime.jit_cache_hook, triton.knobs.runtime.jit_post_compile_hook = before, after
     try:

@@ -42,8 +42,8 @@ from tritonllm.platform import check_kernel_device
 HALF_STEP = tl.constexpr(2.0**-32)
 
 
-# N (rows this step) is left unspecialized and no constexpr depends on it, so one compiled variant serves
-# every batch size (see paged_attention.py).
+# N (rows this step) is left unspecialized: with a vocab past one tile (every real model's) no constexpr depends on
+# it either, so one compiled variant serves every batch size (see paged_attention.py).
 @triton.jit(do_not_specialize=["N"])
 def _sample_kernel(
     logits_ptr, temperature_ptr, seeds_ptr, positions_ptr,
