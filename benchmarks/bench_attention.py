@@ -762,7 +762,9 @@ def main() -> None:
         default=None,
         help="decode shapes the sweep times, e.g. 1x1024,64x8192 (none: no decode shapes)",
     )
-    parser.add_argument("--sweep-prefill", default=None, help="prefill lengths the sweep times, e.g. 512,2048")
+    parser.add_argument(
+        "--sweep-prefill", default=None, help="prefill lengths the sweep times, e.g. 512,2048 (none: no prefill)"
+    )
     parser.add_argument("--tiny", action="store_true", help="toy shapes: a smoke test that runs anywhere")
     parser.add_argument("--device", default=None)
     args = parser.parse_args()
@@ -782,7 +784,8 @@ def main() -> None:
     if args.chain_contexts:
         shapes = dataclasses.replace(shapes, chain_contexts=tuple(int(v) for v in args.chain_contexts.split(",")))
     if args.sweep_prefill:
-        shapes = dataclasses.replace(shapes, sweep_prefill=tuple(int(v) for v in args.sweep_prefill.split(",")))
+        lengths = () if args.sweep_prefill == "none" else tuple(int(v) for v in args.sweep_prefill.split(","))
+        shapes = dataclasses.replace(shapes, sweep_prefill=lengths)
     dtype = torch.bfloat16
     copy_bytes = 4 << 30 if device.type == "cuda" else 64 << 20
     log(f"device {device}; copy bandwidth ...")
