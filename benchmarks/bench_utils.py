@@ -217,7 +217,8 @@ def kernel_compiles() -> Iterator[list[dict[str, Any]]]:
 
 def _describe_variant(repr: str, compile: dict[str, Any]) -> str:
     """name[launch options] plus what tells variants of one kernel apart: the constexpr values (integer arguments
-    equal to 1 among them) and the integer arguments specialized as multiples of 16."""
+    equal to 1 among them), the integer arguments specialized as multiples of 16 and the pointers that are not
+    16-byte aligned."""
     try:
         names = list(compile["signature"])
 
@@ -226,10 +227,14 @@ def _describe_variant(repr: str, compile: dict[str, Any]) -> str:
             return names[index] if isinstance(index, int) and 0 <= index < len(names) else str(path)
 
         constants = ", ".join(f"{name(k)}={v}" for k, v in compile["constants"].items())
-        divisible = ", ".join(
-            name(k) for k in (compile["configs"][0] or {}) if compile["signature"].get(name(k), "")[:1] != "*"
+        specialized = {name(k) for k in (compile["configs"][0] or {})}
+        pointers = [n for n, kind in compile["signature"].items() if str(kind).startswith("*")]
+        divisible = ", ".join(n for n in names if n in specialized and n not in pointers)
+        unaligned = ", ".join(n for n in pointers if n not in specialized)
+        return (
+            f"{repr.split('(', 1)[0]} constants({constants}) ints divisible by 16({divisible}) "
+            f"pointers off 16-byte alignment({unaligned})"
         )
-        return f"{repr.split('(', 1)[0]} constants({constants}) ints divisible by 16({divisible})"
     except (KeyError, IndexError, TypeError, AttributeError):
         return repr
 

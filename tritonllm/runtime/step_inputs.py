@@ -5,6 +5,10 @@ the CPU never waits for the GPU here), copied once, and the int32 fields are cas
 
     int64 buffer: input_ids [T] | positions [T] | slot_mapping [T] | logits_indices [L] | int32 part
     int32 part:   query_start_loc [B + 1] | seq_lens [B] | block_tables [B * W]
+
+Each field starts 16 bytes into its buffer times a whole number (zeros pad the one before): Triton specializes
+kernels on whether a pointer is 16-byte aligned, so fields at offsets that follow the batch's sizes would give an
+eager step's kernels a variant the captured graphs never compiled, built in the middle of a run.
 """
 
 from __future__ import annotations
@@ -26,6 +30,22 @@ class StepInputs:
     attn_metadata: AttentionMetadata  # logits_indices: the sampled rows first, then every prompt-logit row
     num_sampled: int  # rows of logits_indices that belong to sampled sequences (out.sampled order)
     prompt_rows: dict[int, tuple[int, int, int]]  # seq_id -> (first position, first row, rows) of prompt logits
+
+
+# Elements per 16 bytes: the alignment Triton specializes pointers on.
+_ALIGN_INT64 = 2
+_ALIGN_INT32 = 4
+
+
+def _aligned_fields(fields: Sequence[Sequence[int]], align: int) -> tuple[list[int], list[int]]:
+    """The fields one after another, each followed by zeros up to a multiple of `align`, and where each begins."""
+    values: list[int] = []
+    starts = []
+    for field in fields:
+        starts.append(len(values))
+        values.extend(field)
+        values.extend([0] * (-len(field) % align))
+    return values, starts
 
 
 def to_device(values: list[int], device: torch.device) -> torch.Tensor:
@@ -113,22 +133,25 @@ def build_step_inputs(
         flat_tables.extend(table)
         flat_tables.extend([0] * (width - len(table)))  # padding: never read (past the sequence's blocks)
 
-    host = ids + positions + slots + logits_indices + query_start_loc + seq_lens + flat_tables
-    buf = to_device(host, device)
+    wide, (ids_at, positions_at, slots_at, logits_at) = _aligned_fields(
+        (ids, positions, slots, logits_indices), _ALIGN_INT64
+    )
+    narrow, (qsl_at, lens_at, tables_at) = _aligned_fields((query_start_loc, seq_lens, flat_tables), _ALIGN_INT32)
+    buf = to_device(wide + narrow, device)
     t, n_logits = num_tokens, len(logits_indices)
-    small = buf[3 * t + n_logits :].to(torch.int32)
+    small = buf[len(wide) :].to(torch.int32)
     meta = AttentionMetadata(
-        query_start_loc=small[: num_seqs + 1],
-        seq_lens=small[num_seqs + 1 : 2 * num_seqs + 1],
+        query_start_loc=small[qsl_at : qsl_at + num_seqs + 1],
+        seq_lens=small[lens_at : lens_at + num_seqs],
         max_query_len=max(e.num_new_tokens for e in scheduled),
         max_seq_len=max(seq_lens),
-        block_tables=small[2 * num_seqs + 1 :].view(num_seqs, width),
-        slot_mapping=buf[2 * t : 3 * t],
-        logits_indices=buf[3 * t : 3 * t + n_logits],
+        block_tables=small[tables_at : tables_at + num_seqs * width].view(num_seqs, width),
+        slot_mapping=buf[slots_at : slots_at + t],
+        logits_indices=buf[logits_at : logits_at + n_logits],
     )
     return StepInputs(
-        input_ids=buf[:t],
-        positions=buf[t : 2 * t],
+        input_ids=buf[ids_at : ids_at + t],
+        positions=buf[positions_at : positions_at + t],
         attn_metadata=meta,
         num_sampled=num_sampled,
         prompt_rows=prompt_rows,

@@ -1,0 +1,72 @@
+"""The flat inputs of an eager step: every field holds what the scheduled sequences say, and every field starts on
+a 16-byte boundary whatever the batch's sizes (Triton specializes kernels on pointer alignment)."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tests.helpers import seeds
+from tritonllm.runtime.scheduler_output import ScheduledSequence
+from tritonllm.runtime.sequence import Sequence
+from tritonllm.runtime.step_inputs import build_step_inputs
+
+
+def _mixed_batch(rng: random.Random, num_seqs: int, block_size: int) -> list[ScheduledSequence]:
+    """Prefill chunks and decodes with scattered distinct physical blocks."""
+    free = rng.sample(range(400), 400)
+    batch = []
+    for i in range(num_seqs):
+        seq_len = rng.randint(1, 7 * block_size)
+        new = 1 if rng.random() < 0.5 else rng.randint(1, seq_len)
+        prompt = rng.randint(1, seq_len)
+        tokens = [rng.randrange(1, 1000) for _ in range(seq_len)]
+        table = [free.pop() for _ in range(-(-seq_len // block_size))]
+        seq = Sequence(i, str(i), tokens, prompt, None, arrival=i, block_table=table)
+        seq.num_computed_tokens = seq_len - new
+        batch.append(ScheduledSequence(seq, seq_len - new, new, rng.random() < 0.7))
+    return batch
+
+
+@given(seed=seeds(), num_seqs=st.integers(1, 13), block_size=st.sampled_from([1, 2, 4, 16]), logits=st.booleans())
+def test_fields_hold_the_batch_and_start_16_byte_aligned(seed, num_seqs, block_size, logits):
+    rng = random.Random(seed)
+    batch = _mixed_batch(rng, num_seqs, block_size)
+    prompt_logits = {e.seq.seq_id for e in batch if logits and rng.random() < 0.5}
+    step = build_step_inputs(batch, block_size, torch.device("cpu"), prompt_logits)
+    meta = step.attn_metadata
+
+    fields = dict(
+        input_ids=step.input_ids,
+        positions=step.positions,
+        slot_mapping=meta.slot_mapping,
+        logits_indices=meta.logits_indices,
+        query_start_loc=meta.query_start_loc,
+        seq_lens=meta.seq_lens,
+        block_tables=meta.block_tables,
+    )
+    misaligned = {name: t.data_ptr() % 16 for name, t in fields.items() if t.data_ptr() % 16}
+    assert not misaligned, f"fields off a 16-byte boundary (bytes past it): {misaligned}"
+
+    positions = [p for e in batch for p in range(e.num_computed_tokens, e.seq_len)]
+    assert step.input_ids.tolist() == [t for e in batch for t in e.new_token_ids]
+    assert step.positions.tolist() == positions
+    tables = [e.seq.block_table for e in batch]
+    owners = [i for i, e in enumerate(batch) for _ in range(e.num_new_tokens)]
+    slots = [tables[i][p // block_size] * block_size + p % block_size for i, p in zip(owners, positions, strict=True)]
+    assert meta.slot_mapping.tolist() == slots
+    starts = [0]
+    for e in batch:
+        starts.append(starts[-1] + e.num_new_tokens)
+    assert meta.query_start_loc.tolist() == starts
+    assert meta.seq_lens.tolist() == [e.seq_len for e in batch]
+    assert meta.block_tables.shape == (num_seqs, max(len(t) for t in tables))
+    for row, table in zip(meta.block_tables.tolist(), tables, strict=True):
+        assert row[: len(table)] == table
+    sampled = [starts[i + 1] - 1 for i, e in enumerate(batch) if e.sampled]
+    assert meta.logits_indices.tolist()[: step.num_sampled] == sampled
+    assert meta.max_query_len == max(e.num_new_tokens for e in batch)
+    assert meta.max_seq_len == max(e.seq_len for e in batch)
