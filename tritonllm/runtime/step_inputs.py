@@ -37,15 +37,12 @@ _ALIGN_INT64 = 2
 _ALIGN_INT32 = 4
 
 
-def _aligned_fields(fields: Sequence[Sequence[int]], align: int) -> tuple[list[int], list[int]]:
-    """The fields one after another, each followed by zeros up to a multiple of `align`, and where each begins."""
-    values: list[int] = []
-    starts = []
-    for field in fields:
-        starts.append(len(values))
-        values.extend(field)
-        values.extend([0] * (-len(field) % align))
-    return values, starts
+def _append_aligned(values: list[int], field: Sequence[int], align: int) -> int:
+    """Append `field` to `values` at the next multiple of `align` (zeros fill the gap); returns where it begins."""
+    values.extend([0] * (-len(values) % align))
+    start = len(values)
+    values.extend(field)
+    return start
 
 
 def to_device(values: list[int], device: torch.device) -> torch.Tensor:
@@ -133,13 +130,20 @@ def build_step_inputs(
         flat_tables.extend(table)
         flat_tables.extend([0] * (width - len(table)))  # padding: never read (past the sequence's blocks)
 
-    wide, (ids_at, positions_at, slots_at, logits_at) = _aligned_fields(
-        (ids, positions, slots, logits_indices), _ALIGN_INT64
+    host: list[int] = []
+    ids_at, positions_at, slots_at, logits_at = (
+        _append_aligned(host, field, _ALIGN_INT64) for field in (ids, positions, slots, logits_indices)
     )
-    narrow, (qsl_at, lens_at, tables_at) = _aligned_fields((query_start_loc, seq_lens, flat_tables), _ALIGN_INT32)
-    buf = to_device(wide + narrow, device)
+    # The int32 part's offsets count from here (the cast below starts a new tensor): a multiple of _ALIGN_INT32, so
+    # its fields' places in `host` and in that tensor are aligned alike.
+    host.extend([0] * (-len(host) % _ALIGN_INT32))
+    small_at = len(host)
+    qsl_at, lens_at, tables_at = (
+        _append_aligned(host, field, _ALIGN_INT32) - small_at for field in (query_start_loc, seq_lens, flat_tables)
+    )
+    buf = to_device(host, device)
     t, n_logits = num_tokens, len(logits_indices)
-    small = buf[len(wide) :].to(torch.int32)
+    small = buf[small_at:].to(torch.int32)
     meta = AttentionMetadata(
         query_start_loc=small[qsl_at : qsl_at + num_seqs + 1],
         seq_lens=small[lens_at : lens_at + num_seqs],
