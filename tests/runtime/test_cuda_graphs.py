@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from tests.helpers import DEVICE, seeds
 from tests.models.checkpoints import tiny_config
+from tests.runtime.scheduled_batches import scheduled_batch
 from tritonllm.models.loader import load_model
 from tritonllm.platform import HAS_CUDA, INTERPRET
 from tritonllm.runtime.cuda_graphs import (
@@ -64,25 +65,10 @@ def test_capture_sizes_examples():
 # ---- padded inputs ----------------------------------------------------------------------------------
 
 
-def _decode_batch(rng: random.Random, num_seqs: int, block_size: int, num_blocks: int) -> list[ScheduledSequence]:
-    """Sequences about to decode one token, with scattered distinct physical blocks."""
-    free = rng.sample(range(num_blocks), num_blocks)
-    batch = []
-    for i in range(num_seqs):
-        seq_len = rng.randint(1, 6 * block_size)  # context after the step, the new token included
-        prompt = rng.randint(1, seq_len)
-        tokens = [rng.randrange(1000) for _ in range(seq_len)]
-        table = [free.pop() for _ in range(-(-seq_len // block_size))]
-        seq = Sequence(i, str(i), tokens, prompt, None, arrival=i, block_table=table)
-        seq.num_computed_tokens = seq_len - 1
-        batch.append(ScheduledSequence(seq, seq_len - 1, 1, True))
-    return batch
-
-
 @given(seed=seeds(), num_seqs=st.integers(1, 11), block_size=st.sampled_from([1, 2, 4, 16]))
 def test_padded_decode_rows_match_the_eager_inputs(seed, num_seqs, block_size):
     rng = random.Random(seed)
-    batch = _decode_batch(rng, num_seqs, block_size, num_blocks=80)
+    batch = scheduled_batch(rng, num_seqs, block_size, num_blocks=80)
     sizes = capture_sizes(16)
     size = padded_size(num_seqs, sizes)
     ids, positions, slots, seq_lens, tables = decode_rows(batch, block_size, size)
@@ -112,7 +98,7 @@ def test_static_buffers_hold_exactly_the_latest_step(seed, sizes, block_size):
     buckets = capture_sizes(16)
     inputs = DecodeInputs(max_size=16, max_blocks_per_seq=6, device=DEVICE)
     for num_seqs in sizes:
-        batch = _decode_batch(rng, num_seqs, block_size, num_blocks=100)
+        batch = scheduled_batch(rng, num_seqs, block_size, num_blocks=100)
         size = padded_size(num_seqs, buckets)
         inputs.fill(batch, size, block_size)
         ids, positions, slots, seq_lens, tables = decode_rows(batch, block_size, size)
@@ -130,7 +116,7 @@ def test_static_buffers_hold_exactly_the_latest_step(seed, sizes, block_size):
 
 def test_fill_rejects_what_no_bucket_holds():
     inputs = DecodeInputs(max_size=4, max_blocks_per_seq=2, device=DEVICE)
-    batch = _decode_batch(random.Random(0), 3, block_size=2, num_blocks=40)
+    batch = scheduled_batch(random.Random(0), 3, block_size=2, num_blocks=40)
     with pytest.raises(ValueError, match="does not fit"):
         inputs.fill(batch, 2, 2)
     seq = Sequence(9, "9", list(range(5)), 5, None, arrival=0, block_table=[3, 1, 2])  # 3 blocks > 2
@@ -140,7 +126,7 @@ def test_fill_rejects_what_no_bucket_holds():
 
 def test_only_pure_decode_steps_qualify():
     rng = random.Random(1)
-    batch = _decode_batch(rng, 3, block_size=4, num_blocks=40)
+    batch = scheduled_batch(rng, 3, block_size=4, num_blocks=40)
 
     def out(entries):
         return SchedulerOutput(entries, len(entries), [], 4, [], [])

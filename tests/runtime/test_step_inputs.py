@@ -10,31 +10,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.helpers import seeds
-from tritonllm.runtime.scheduler_output import ScheduledSequence
-from tritonllm.runtime.sequence import Sequence
+from tests.runtime.scheduled_batches import scheduled_batch
 from tritonllm.runtime.step_inputs import build_step_inputs
-
-
-def _mixed_batch(rng: random.Random, num_seqs: int, block_size: int) -> list[ScheduledSequence]:
-    """Prefill chunks and decodes with scattered distinct physical blocks."""
-    free = rng.sample(range(400), 400)
-    batch = []
-    for i in range(num_seqs):
-        seq_len = rng.randint(1, 7 * block_size)
-        new = 1 if rng.random() < 0.5 else rng.randint(1, seq_len)
-        prompt = rng.randint(1, seq_len)
-        tokens = [rng.randrange(1, 1000) for _ in range(seq_len)]
-        table = [free.pop() for _ in range(-(-seq_len // block_size))]
-        seq = Sequence(i, str(i), tokens, prompt, None, arrival=i, block_table=table)
-        seq.num_computed_tokens = seq_len - new
-        batch.append(ScheduledSequence(seq, seq_len - new, new, rng.random() < 0.7))
-    return batch
 
 
 @given(seed=seeds(), num_seqs=st.integers(1, 13), block_size=st.sampled_from([1, 2, 4, 16]), logits=st.booleans())
 def test_fields_hold_the_batch_and_start_16_byte_aligned(seed, num_seqs, block_size, logits):
     rng = random.Random(seed)
-    batch = _mixed_batch(rng, num_seqs, block_size)
+    batch = scheduled_batch(rng, num_seqs, block_size, num_blocks=80, decode_only=False)
     prompt_logits = {e.seq.seq_id for e in batch if logits and rng.random() < 0.5}
     step = build_step_inputs(batch, block_size, torch.device("cpu"), prompt_logits)
     meta = step.attn_metadata
