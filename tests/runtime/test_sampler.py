@@ -261,6 +261,19 @@ def test_unseeded_rows_follow_the_engine_seed(seed):
     assert not torch.equal(Sampler(seed=seed + 1)(logits, meta).sampled_token_ids, first)
 
 
+@given(seed=seeds(), v=vocab_sizes)
+def test_warm_up_leaves_the_engine_seed_stream_alone(seed, v):
+    n = 16
+    logits = _logits(n, v, seed, scale=0.1)
+    meta = build_metadata([SamplingParams(temperature=0.7)] * n, [[0]] * n, [[]] * n, v, device=DEVICE)
+    warmed = Sampler(seed=seed)
+    warmed.warm_up(v, DEVICE)
+    cpu_state = torch.get_rng_state()
+    assert torch.equal(warmed(logits, meta).sampled_token_ids, Sampler(seed=seed)(logits, meta).sampled_token_ids)
+    warmed.warm_up(v, DEVICE)
+    assert torch.equal(torch.get_rng_state(), cpu_state)  # nor torch's global one
+
+
 @given(seed=seeds(), v=vocab_sizes, k=st.sampled_from([0, 1, 5]))
 def test_logprobs_are_raw_with_sampled_token_and_rank(seed, v, k):
     n = 4

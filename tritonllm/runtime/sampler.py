@@ -191,6 +191,15 @@ class Sampler:
     def __init__(self, seed: int = 0):
         self._generator = torch.Generator().manual_seed(seed)
 
+    def warm_up(self, vocab_size: int, device: torch.device | str) -> None:
+        """Compile the draw's kernels for this vocab now, greedy and seeded rows without penalties (what most steps
+        run), so the first requests do not wait on the compiler. The engine's generator is left untouched: a run
+        samples the same tokens with or without a warm-up."""
+        logits = torch.linspace(-1.0, 1.0, vocab_size, device=device)[None]  # no random stream is drawn from
+        sample(logits, None)
+        seed_and_position = torch.zeros(1, dtype=torch.int64, device=device)
+        sample(logits, torch.ones(1, device=device), seed_and_position, seed_and_position)
+
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """logits [N, V] float32, one row per metadata row. Returns SamplerOutput (tokens [N] int64)."""
         if logits.dim() != 2 or logits.dtype != torch.float32:

@@ -190,6 +190,8 @@ class Worker:
                 config.max_num_seqs, config.max_model_len, max_num_batched_tokens=config.max_num_batched_tokens
             )
         self.sampler = Sampler(engine.seed)
+        if self.device.type == "cuda":
+            self.sampler.warm_up(self.model_config.vocab_size, self.device)
         self.mirror = SequenceMirror()
 
     @property
