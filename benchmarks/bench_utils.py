@@ -199,7 +199,12 @@ def kernel_compiles() -> Iterator[list[dict[str, Any]]]:
     hooks = (triton.knobs.runtime.jit_cache_hook, triton.knobs.runtime.jit_post_compile_hook)
 
     def before(*, key, repr, compile, **_: Any) -> None:
-        entry = {"kernel": repr.split("[", 1)[0], "variant": _describe_variant(repr, compile), "seconds": None}
+        entry = {
+            "kernel": repr.split("[", 1)[0],
+            "variant": _describe_variant(repr, compile),
+            "key": str(key),  # Triton's own: every argument's type and specialization, then the options
+            "seconds": None,
+        }
         found.append(entry)
         compiling[str(key)] = (time.perf_counter(), entry)
 
@@ -242,12 +247,15 @@ def _describe_variant(repr: str, compile: dict[str, Any]) -> str:
 def compile_summary(found: list[dict[str, Any]]) -> dict[str, Any]:
     """Count, seconds and the variants per kernel of a `kernel_compiles` list."""
     per_kernel: dict[str, list[str]] = {}
+    keys: dict[str, list[str]] = {}
     for entry in found:
         per_kernel.setdefault(entry["kernel"], []).append(entry["variant"])
+        keys.setdefault(entry["kernel"], []).append(entry["key"])
     return {
         "variants": len(found),
         "seconds": sum(e["seconds"] or 0.0 for e in found),
         "per_kernel": dict(sorted(per_kernel.items(), key=lambda kv: -len(kv[1]))),
+        "keys": keys,
     }
 
 

@@ -20,7 +20,6 @@ from tests.kernels.test_paged_attention import (
 )
 from tritonllm.kernels.arrival_counters import _COUNTERS
 from tritonllm.kernels.paged_attention_config import (
-    _DECODE_PROGRAMS_PER_SM,
     _MAX_SPLITS,
     _MIN_WAVES,
     _SPLIT_MIN_TILES,
@@ -196,11 +195,12 @@ def test_merge_matches_reference(num_tokens, num_heads, num_splits, head_size, h
     max_seq_len=st.integers(1, 1 << 17),
     tile_n=st.sampled_from([16, 32, 64, 128]),
     chunk=st.sampled_from([1, 4, 8, 16]),
+    per_sm=st.integers(1, 6),
 )
-def test_num_splits_heuristic(num_programs, num_sms, max_seq_len, tile_n, chunk):
-    n = choose_num_splits(num_programs, num_sms, max_seq_len, tile_n, chunk)
+def test_num_splits_heuristic(num_programs, num_sms, max_seq_len, tile_n, chunk, per_sm):
+    n = choose_num_splits(num_programs, num_sms, max_seq_len, tile_n, chunk, programs_per_sm=per_sm)
     assert 1 <= n <= _MAX_SPLITS
-    resident = _DECODE_PROGRAMS_PER_SM * num_sms
+    resident = per_sm * num_sms
     if num_sms <= num_programs <= resident or num_programs >= _MIN_WAVES * resident:
         assert n == 1  # one wave that fills the GPU, or enough waves that the last one matters little
     # What the grid asks for: 2 programs per SM, or past _MIN_WAVES waves of resident programs.
@@ -214,7 +214,30 @@ def test_num_splits_heuristic(num_programs, num_sms, max_seq_len, tile_n, chunk)
         # Not held back by the length: there, or one merge chunk short of it.
         assert num_programs * (n + (chunk - 1 if n >= chunk else 0)) >= wanted
     # Longer contexts never ask for fewer splits.
-    assert choose_num_splits(num_programs, num_sms, 2 * max_seq_len, tile_n, chunk) >= n
+    assert choose_num_splits(num_programs, num_sms, 2 * max_seq_len, tile_n, chunk, programs_per_sm=per_sm) >= n
+
+
+@pytest.mark.parametrize(
+    "num_seqs, tile_n, num_splits",
+    [
+        (8, 64, 5),  # 64 programs: split to about two per SM
+        (32, 32, 1),  # 256 programs: one wave of the 4-per-SM tile
+        (64, 32, 1),  # 512: still one wave of it (it was 1.3 waves of the 3-per-SM tile, split in two)
+        (80, 64, 2),  # 640: part-empty last wave for either tile; the 64-key tile splits
+        (96, 64, 1),  # 768: 1.45 waves of the 4-per-SM tile, 1.94 of the 3-per-SM one
+        (128, 32, 1),  # 1024: 1.94 waves of the 4-per-SM tile
+        (256, 32, 1),
+    ],
+)
+def test_full_grid_decode_tiles(num_seqs, tile_n, num_splits):
+    # Llama-3 8B's attention (32 / 8 heads of 128) decoding 4k contexts on 132 SMs: batch 64 reached 93.7% of
+    # copy bandwidth on the 32-key tile unsplit against 83.7% for two splits of the 64-key tile; batch 96 90-93%
+    # on the 32-key tile against 94-102% on the 64-key one (H100, docs/benchmarks.md).
+    cfg = paged_attention_config(
+        num_seqs=num_seqs, num_heads=32, num_kv_heads=8, head_size=128, dtype=torch.bfloat16,
+        max_query_len=1, max_seq_len=4096, target=HOPPER_H200,
+    )  # fmt: skip
+    assert (cfg.tile_n, cfg.num_splits) == (tile_n, num_splits)
 
 
 @given(

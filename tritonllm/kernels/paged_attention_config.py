@@ -66,6 +66,7 @@ class _Tile:
     tile_n: int
     num_warps: int
     num_stages: int
+    programs_per_sm: int = 3  # resident programs per SM (registers, shared memory), for the split rule's waves
 
 
 # Hopper (sm_90) table for fp16/bf16, keyed by (padded head size, "decode" | "prefill"). "decode" is a query
@@ -86,10 +87,19 @@ class _Tile:
 # memory); at batch 1, 8k it takes 34.8 us against 28.5 for tile_n 64 with 8 warps, kept for the larger batches
 # one graph tile serves. Prefill: 128 x 64, 8 warps, 4 stages was best at 2048 and 512 tokens (0.326 ms at 512
 # against 0.391 for the 64 x 32, 4-warp tile before).
+# "decode_full_grid" is the decode tile of a grid with at least one program per SM, where no split-KV is wanted and
+# more resident programs per SM pay; it serves unless its grid would end in a part-empty wave (_MIN_WAVES), where the
+# "decode" tile (fewer resident, a wave of its own) or its split takes over. Head 128 on an H100 (`.. --sweep` of
+# decode tiles at batch 32-256, 1k-8k, triton 3.6): 32 keys, 5 stages: 106 registers a thread and 37 KiB of shared
+# memory, 4 resident programs (the 64-key tile: 142 registers, 70 KiB, 3); 1-3% faster than the 64-key tile from
+# batch 32 to 192 where both run one wave or past _MIN_WAVES, and batch 64 (512 programs) runs unsplit in one wave:
+# 93.7% of copy bandwidth at 1k against 83.7% for two splits of the 64-key tile. At batch 96 (768 programs, 1.45 of
+# its waves) it reached 90-93% where the 64-key tile reached 94-102%.
 _DECODE_ROWS = 32
 _HOPPER_16BIT: dict[tuple[int, str], _Tile] = {
     (64, "decode"): _Tile(block_m=32, tile_n=128, num_warps=4, num_stages=5),
     (128, "decode"): _Tile(block_m=32, tile_n=64, num_warps=4, num_stages=5),
+    (128, "decode_full_grid"): _Tile(block_m=32, tile_n=32, num_warps=4, num_stages=5, programs_per_sm=4),
     (256, "decode"): _Tile(block_m=32, tile_n=32, num_warps=4, num_stages=5),
     (64, "prefill"): _Tile(block_m=128, tile_n=64, num_warps=8, num_stages=2),
     (128, "prefill"): _Tile(block_m=128, tile_n=32, num_warps=4, num_stages=3),
@@ -113,8 +123,7 @@ _MAX_SPLITS = 64
 # A grid of more than one wave of resident programs but fewer than about two finishes its last, part-empty wave
 # at a fraction of the bandwidth: on the H200 (`bench_attention.py --split-sweep`, head 128, context 4k-8k), 512
 # decode programs (1.3 waves) ran at 78-84% of copy bandwidth where 768-3072 ran at 92-103%. Such grids split
-# until they pass _MIN_WAVES waves. Resident decode programs per SM: 3 (70 KiB of shared memory each at D = 128).
-_DECODE_PROGRAMS_PER_SM = 3
+# until they pass _MIN_WAVES waves of their tile's resident programs (_Tile.programs_per_sm).
 _MIN_WAVES = 1.9
 # The last split program of a tile merges in the launch up to this many splits, reading the partials a chunk of
 # splits at a time ([block_m, chunk, D] fp32 in _MERGE_REGISTERS registers a thread: 8 splits at 16 rows x 128);
@@ -137,21 +146,24 @@ _INTERP_MAX_TILE_N = 1024
 _INTERP_MAX_COLS = 1024  # kv heads x padded head size packed into one program
 
 
-def choose_num_splits(num_programs: int, num_sms: int, max_seq_len: int, tile_n: int, merge_chunk: int) -> int:
+def choose_num_splits(
+    num_programs: int, num_sms: int, max_seq_len: int, tile_n: int, merge_chunk: int, programs_per_sm: int = 3
+) -> int:
     """KV splits per sequence for a launch of `num_programs` = num_seqs * num_kv_heads unsplit programs.
 
     Split while the grid is short of _SPLIT_PROGRAMS_PER_SM programs per SM, or when it is between one and
-    _MIN_WAVES waves of resident programs (see above), past `merge_chunk` splits only in whole chunks; never into
+    _MIN_WAVES waves of resident programs (`programs_per_sm` per SM; see above), past `merge_chunk` splits only in
+    whole chunks; never into
     splits shorter than _SPLIT_MIN_TILES KV tiles of the longest sequence. A sequence shorter than max_seq_len cuts
     its own range into the same number of splits, leaving any beyond its tiles empty (a launch slot, not a read):
     what a CUDA graph captured at max_model_len replays.
     """
     if num_programs <= 0:
         return 1
-    resident = _DECODE_PROGRAMS_PER_SM * num_sms
+    resident = programs_per_sm * num_sms
     if num_programs < num_sms:
         wanted = triton.cdiv(_SPLIT_PROGRAMS_PER_SM * num_sms, num_programs)
-    elif resident < num_programs < _MIN_WAVES * resident:
+    elif _ends_in_part_wave(num_programs, resident):
         wanted = math.ceil(_MIN_WAVES * resident / num_programs)
     else:
         return 1
@@ -159,6 +171,11 @@ def choose_num_splits(num_programs: int, num_sms: int, max_seq_len: int, tile_n:
         wanted -= wanted % merge_chunk
     by_length = max_seq_len // (tile_n * _SPLIT_MIN_TILES)
     return max(1, min(wanted, by_length, _MAX_SPLITS))
+
+
+def _ends_in_part_wave(num_programs: int, resident: int) -> bool:
+    """More than one wave of `resident` programs but fewer than _MIN_WAVES: the last wave runs part-empty."""
+    return resident < num_programs < _MIN_WAVES * resident
 
 
 def paged_attention_config(
@@ -198,8 +215,12 @@ def paged_attention_config(
     if num_splits is None and target.interpret:
         num_splits = 1
     elif num_splits is None:
+        tile = _gpu_tile(queries_per_kv, head_padded, dtype, max_query_len, programs, target.num_sms)
+        cfg = dataclasses.replace(cfg, tile_n=tile.tile_n, num_warps=tile.num_warps, num_stages=tile.num_stages)
         chunk = _merge_chunk(cfg, head_padded, target, programs)
-        num_splits = choose_num_splits(programs, target.num_sms, max_seq_len, cfg.tile_n, chunk)
+        num_splits = choose_num_splits(
+            programs, target.num_sms, max_seq_len, cfg.tile_n, chunk, programs_per_sm=tile.programs_per_sm
+        )
     if num_splits == 1:
         return _with_short_queries(cfg, target, queries_per_kv, head_padded, dtype, max_query_len)
     if target.interpret:
@@ -235,13 +256,31 @@ def _merge_chunk(cfg: PagedAttentionConfig, head_padded: int, target: AttentionT
     return max(1, triton.next_power_of_2(chunk + 1) // 2)
 
 
-def _gpu_config(queries_per_kv: int, head_padded: int, dtype: torch.dtype, max_query_len: int) -> PagedAttentionConfig:
-    rows = max_query_len * queries_per_kv
-    phase = "decode" if rows <= _DECODE_ROWS else "prefill"
+def _gpu_tile(
+    queries_per_kv: int,
+    head_padded: int,
+    dtype: torch.dtype,
+    max_query_len: int,
+    programs: int | None = None,
+    num_sms: int = 0,
+) -> _Tile:
+    """The table's tile; given the unsplit grid (`programs`) of a decode batch that fills `num_sms` SMs, its
+    "decode_full_grid" tile where there is one and the grid would not end in a part-empty wave of it."""
+    phase = "decode" if max_query_len * queries_per_kv <= _DECODE_ROWS else "prefill"
     table = _HOPPER_FP32 if dtype == torch.float32 else _HOPPER_16BIT
     tile = table[(max(64, head_padded), phase)]
+    full_grid = table.get((max(64, head_padded), "decode_full_grid")) if phase == "decode" else None
+    if full_grid is not None and programs is not None and programs >= num_sms:
+        if not _ends_in_part_wave(programs, full_grid.programs_per_sm * num_sms):
+            return full_grid
+    return tile
+
+
+def _gpu_config(queries_per_kv: int, head_padded: int, dtype: torch.dtype, max_query_len: int) -> PagedAttentionConfig:
+    rows = max_query_len * queries_per_kv
+    tile = _gpu_tile(queries_per_kv, head_padded, dtype, max_query_len)
     block_m = tile.block_m
-    if phase == "decode":
+    if rows <= _DECODE_ROWS:
         block_m = min(block_m, max(16, triton.next_power_of_2(rows)))
     block_m = max(block_m, triton.next_power_of_2(queries_per_kv))  # one token's GQA group always fits
     return PagedAttentionConfig(
