@@ -9,6 +9,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import subprocess
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -201,7 +202,7 @@ def kernel_compiles() -> Iterator[list[dict[str, Any]]]:
     def before(*, key, repr, compile, **_: Any) -> None:
         entry = {
             "kernel": repr.split("[", 1)[0],
-            "variant": _describe_variant(repr, compile),
+            "variant": _describe_variant(repr, compile, str(key)),
             "key": str(key),  # Triton's own: every argument's type and specialization, then the options
             "seconds": None,
         }
@@ -220,28 +221,26 @@ def kernel_compiles() -> Iterator[list[dict[str, Any]]]:
         triton.knobs.runtime.jit_cache_hook, triton.knobs.runtime.jit_post_compile_hook = hooks
 
 
-def _describe_variant(repr: str, compile: dict[str, Any]) -> str:
-    """name[launch options] plus what tells variants of one kernel apart: the constexpr values (integer arguments
-    equal to 1 among them), the integer arguments specialized as multiples of 16 and the pointers that are not
-    16-byte aligned."""
-    try:
-        names = list(compile["signature"])
+# An argument in the specialization list opening Triton's cache key: ('*bf16', 'D'), ('i32', None), ('constexpr', 4).
+_KEY_ARGUMENT = re.compile(r"\('([^']*)', ('[^']*'|[^()]*?)\)")
 
-        def name(path: Any) -> str:
-            index = path[0] if isinstance(path, tuple) and path else path
-            return names[index] if isinstance(index, int) and 0 <= index < len(names) else str(path)
 
-        constants = ", ".join(f"{name(k)}={v}" for k, v in compile["constants"].items())
-        specialized = {name(k) for k in (compile["configs"][0] or {})}
-        pointers = [n for n, kind in compile["signature"].items() if str(kind).startswith("*")]
-        divisible = ", ".join(n for n in names if n in specialized and n not in pointers)
-        unaligned = ", ".join(n for n in pointers if n not in specialized)
-        return (
-            f"{repr.split('(', 1)[0]} constants({constants}) ints divisible by 16({divisible}) "
-            f"pointers off 16-byte alignment({unaligned})"
-        )
-    except (KeyError, IndexError, TypeError, AttributeError):
+def _describe_variant(repr: str, compile: dict[str, Any], key: str) -> str:
+    """name[launch options] plus what tells variants of one kernel apart, read from Triton's cache key: the constexpr
+    values (integer arguments equal to 1 among them), the integer arguments specialized as multiples of 16 and the
+    pointers that are not 16-byte aligned. The bare repr where the key does not parse."""
+    names = list(compile.get("signature", {}))
+    arguments = _KEY_ARGUMENT.findall(key.rsplit("]{", 1)[0])
+    if len(arguments) != len(names):
         return repr
+    described = list(zip(names, arguments, strict=True))
+    constants = ", ".join(f"{n}={value.strip(chr(39))}" for n, (kind, value) in described if kind == "constexpr")
+    divisible = ", ".join(n for n, (kind, value) in described if kind[:1] in "iu" and value == "'D'")
+    unaligned = ", ".join(n for n, (kind, value) in described if kind.startswith("*") and value != "'D'")
+    return (
+        f"{repr.split('(', 1)[0]} constants({constants}) ints divisible by 16({divisible}) "
+        f"pointers off 16-byte alignment({unaligned})"
+    )
 
 
 def compile_summary(found: list[dict[str, Any]]) -> dict[str, Any]:

@@ -221,18 +221,17 @@ def test_num_splits_heuristic(num_programs, num_sms, max_seq_len, tile_n, chunk,
     "num_seqs, tile_n, num_splits",
     [
         (8, 64, 5),  # 64 programs: split to about two per SM
-        (32, 32, 1),  # 256 programs: one wave of the 4-per-SM tile
-        (64, 32, 1),  # 512: still one wave of it (it was 1.3 waves of the 3-per-SM tile, split in two)
-        (80, 64, 2),  # 640: part-empty last wave for either tile; the 64-key tile splits
-        (96, 64, 1),  # 768: 1.45 waves of the 4-per-SM tile, 1.94 of the 3-per-SM one
-        (128, 32, 1),  # 1024: 1.94 waves of the 4-per-SM tile
+        (32, 64, 1),  # 256 programs: less than a wave of either tile; the wider keeps more bytes in flight
+        (64, 32, 1),  # 512: one wave of the 4-per-SM tile, 1.3 of the 3-per-SM one
+        (80, 64, 1),  # 640: 1.6 waves of the 3-per-SM tile, 1.2 of the 4-per-SM one
+        (96, 64, 1),  # 768: 1.94 waves of the 3-per-SM tile, 1.45 of the 4-per-SM one
+        (128, 32, 1),  # 1024: 1.94 waves of the 4-per-SM tile, 2.6 of the 3-per-SM one
         (256, 32, 1),
     ],
 )
 def test_full_grid_decode_tiles(num_seqs, tile_n, num_splits):
-    # Llama-3 8B's attention (32 / 8 heads of 128) decoding 4k contexts on 132 SMs: batch 64 reached 93.7% of
-    # copy bandwidth on the 32-key tile unsplit against 83.7% for two splits of the 64-key tile; batch 96 90-93%
-    # on the 32-key tile against 94-102% on the 64-key one (H100, docs/benchmarks.md).
+    # Llama-3 8B's attention (32 / 8 heads of 128) decoding 4k contexts on 132 SMs; measured on an H200 and an H100
+    # (docs/benchmarks.md): each choice here was the faster of the two tiles unsplit and of splitting.
     cfg = paged_attention_config(
         num_seqs=num_seqs, num_heads=32, num_kv_heads=8, head_size=128, dtype=torch.bfloat16,
         max_query_len=1, max_seq_len=4096, target=HOPPER_H200,

@@ -1,5 +1,6 @@
-"""The flat inputs of an eager step: every field holds what the scheduled sequences say, and every field starts on
-a 16-byte boundary whatever the batch's sizes (Triton specializes kernels on pointer alignment)."""
+"""The flat inputs of an eager step: every field holds what the scheduled sequences say, every field starts on a
+16-byte boundary and block table rows hold a multiple of 16 entries whatever the batch's sizes (Triton specializes
+kernels on pointer alignment and on integer arguments being multiples of 16)."""
 
 from __future__ import annotations
 
@@ -46,7 +47,9 @@ def test_fields_hold_the_batch_and_start_16_byte_aligned(seed, num_seqs, block_s
         starts.append(starts[-1] + e.num_new_tokens)
     assert meta.query_start_loc.tolist() == starts
     assert meta.seq_lens.tolist() == [e.seq_len for e in batch]
-    assert meta.block_tables.shape == (num_seqs, max(len(t) for t in tables))
+    width = max(len(t) for t in tables)
+    assert meta.block_tables.shape[0] == num_seqs
+    assert meta.block_tables.stride(0) % 16 == 0 and width <= meta.block_tables.shape[1] < width + 16
     for row, table in zip(meta.block_tables.tolist(), tables, strict=True):
         assert row[: len(table)] == table
     sampled = [starts[i + 1] - 1 for i, e in enumerate(batch) if e.sampled]

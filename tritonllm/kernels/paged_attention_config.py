@@ -87,14 +87,15 @@ class _Tile:
 # memory); at batch 1, 8k it takes 34.8 us against 28.5 for tile_n 64 with 8 warps, kept for the larger batches
 # one graph tile serves. Prefill: 128 x 64, 8 warps, 4 stages was best at 2048 and 512 tokens (0.326 ms at 512
 # against 0.391 for the 64 x 32, 4-warp tile before).
-# "decode_full_grid" is the decode tile of a grid with at least one program per SM, where no split-KV is wanted and
-# more resident programs per SM pay; it serves unless its grid would end in a part-empty wave (_MIN_WAVES), where the
-# "decode" tile (fewer resident, a wave of its own) or its split takes over. Head 128 on an H100 (`.. --sweep` of
-# decode tiles at batch 32-256, 1k-8k, triton 3.6): 32 keys, 5 stages: 106 registers a thread and 37 KiB of shared
-# memory, 4 resident programs (the 64-key tile: 142 registers, 70 KiB, 3); 1-3% faster than the 64-key tile from
-# batch 32 to 192 where both run one wave or past _MIN_WAVES, and batch 64 (512 programs) runs unsplit in one wave:
-# 93.7% of copy bandwidth at 1k against 83.7% for two splits of the 64-key tile. At batch 96 (768 programs, 1.45 of
-# its waves) it reached 90-93% where the 64-key tile reached 94-102%.
+# "decode_full_grid": a second decode tile for grids of at least one program per SM, narrower so that more programs
+# are resident per SM. Such a grid runs unsplit on whichever of the two tiles fills its last wave best (ties: this
+# one); a part-empty last wave costs most. Head 128, triton 3.6: 32 keys, 5 stages take 106 registers a thread and
+# 37 KiB of shared memory, 4 resident programs (the 64-key tile: 142 registers, 70 KiB, 3). Measured on an H200 and
+# an H100 (32 / 8 heads, 1k and 4k contexts, % of copy bandwidth): batch 64 (512 programs: one wave of the narrow
+# tile, 1.3 of the wide) 93.0 / 103.5 narrow against 74.9 / 83.6 wide and 76.6 / 98.8 for two wide splits (H200);
+# batch 128 97.7 / 103.8 against 93.6 / 100.1; batch 96 (768: 1.45 narrow waves, 1.94 wide) 80.8 / 86.5 narrow
+# against 93.5 / 103.5 wide; batch 80 88.0 / 96.7 wide unsplit against 77.0 / 92.1 split in two; batch 32 (less than
+# a wave of either) 85.3 / 100.9 wide against 76.4 / 89.6 narrow on the H200 (on the H100 they were within 1%).
 _DECODE_ROWS = 32
 _HOPPER_16BIT: dict[tuple[int, str], _Tile] = {
     (64, "decode"): _Tile(block_m=32, tile_n=128, num_warps=4, num_stages=5),
@@ -163,7 +164,7 @@ def choose_num_splits(
     resident = programs_per_sm * num_sms
     if num_programs < num_sms:
         wanted = triton.cdiv(_SPLIT_PROGRAMS_PER_SM * num_sms, num_programs)
-    elif _ends_in_part_wave(num_programs, resident):
+    elif resident < num_programs < _MIN_WAVES * resident:
         wanted = math.ceil(_MIN_WAVES * resident / num_programs)
     else:
         return 1
@@ -171,11 +172,6 @@ def choose_num_splits(
         wanted -= wanted % merge_chunk
     by_length = max_seq_len // (tile_n * _SPLIT_MIN_TILES)
     return max(1, min(wanted, by_length, _MAX_SPLITS))
-
-
-def _ends_in_part_wave(num_programs: int, resident: int) -> bool:
-    """More than one wave of `resident` programs but fewer than _MIN_WAVES: the last wave runs part-empty."""
-    return resident < num_programs < _MIN_WAVES * resident
 
 
 def paged_attention_config(
@@ -215,12 +211,16 @@ def paged_attention_config(
     if num_splits is None and target.interpret:
         num_splits = 1
     elif num_splits is None:
-        tile = _gpu_tile(queries_per_kv, head_padded, dtype, max_query_len, programs, target.num_sms)
-        cfg = dataclasses.replace(cfg, tile_n=tile.tile_n, num_warps=tile.num_warps, num_stages=tile.num_stages)
-        chunk = _merge_chunk(cfg, head_padded, target, programs)
-        num_splits = choose_num_splits(
-            programs, target.num_sms, max_seq_len, cfg.tile_n, chunk, programs_per_sm=tile.programs_per_sm
-        )
+        full_grid = _full_grid_tile(queries_per_kv, head_padded, dtype, max_query_len, programs, target.num_sms)
+        if full_grid is not None:  # fills the GPU unsplit
+            tile = dict(tile_n=full_grid.tile_n, num_warps=full_grid.num_warps, num_stages=full_grid.num_stages)
+            cfg, num_splits = dataclasses.replace(cfg, **tile), 1
+        else:
+            per_sm = _gpu_tile(head_padded, dtype, _phase(queries_per_kv, max_query_len)).programs_per_sm
+            chunk = _merge_chunk(cfg, head_padded, target, programs)
+            num_splits = choose_num_splits(
+                programs, target.num_sms, max_seq_len, cfg.tile_n, chunk, programs_per_sm=per_sm
+            )
     if num_splits == 1:
         return _with_short_queries(cfg, target, queries_per_kv, head_padded, dtype, max_query_len)
     if target.interpret:
@@ -256,31 +256,38 @@ def _merge_chunk(cfg: PagedAttentionConfig, head_padded: int, target: AttentionT
     return max(1, triton.next_power_of_2(chunk + 1) // 2)
 
 
-def _gpu_tile(
-    queries_per_kv: int,
-    head_padded: int,
-    dtype: torch.dtype,
-    max_query_len: int,
-    programs: int | None = None,
-    num_sms: int = 0,
-) -> _Tile:
-    """The table's tile; given the unsplit grid (`programs`) of a decode batch that fills `num_sms` SMs, its
-    "decode_full_grid" tile where there is one and the grid would not end in a part-empty wave of it."""
-    phase = "decode" if max_query_len * queries_per_kv <= _DECODE_ROWS else "prefill"
+def _phase(queries_per_kv: int, max_query_len: int) -> str:
+    return "decode" if max_query_len * queries_per_kv <= _DECODE_ROWS else "prefill"
+
+
+def _gpu_tile(head_padded: int, dtype: torch.dtype, phase: str) -> _Tile | None:
     table = _HOPPER_FP32 if dtype == torch.float32 else _HOPPER_16BIT
-    tile = table[(max(64, head_padded), phase)]
-    full_grid = table.get((max(64, head_padded), "decode_full_grid")) if phase == "decode" else None
-    if full_grid is not None and programs is not None and programs >= num_sms:
-        if not _ends_in_part_wave(programs, full_grid.programs_per_sm * num_sms):
-            return full_grid
-    return tile
+    return table.get((max(64, head_padded), phase))
+
+
+def _full_grid_tile(
+    queries_per_kv: int, head_padded: int, dtype: torch.dtype, max_query_len: int, programs: int, num_sms: int
+) -> _Tile | None:
+    """For a decode grid of `programs` >= num_sms unsplit programs where the table has a "decode_full_grid" tile:
+    that tile or the "decode" one, whichever fills its last wave of resident programs best; else None."""
+    narrow = _gpu_tile(head_padded, dtype, "decode_full_grid")
+    if narrow is None or programs < num_sms or _phase(queries_per_kv, max_query_len) != "decode":
+        return None
+    decode = _gpu_tile(head_padded, dtype, "decode")
+
+    def last_wave_fill(tile: _Tile) -> float:
+        resident = tile.programs_per_sm * num_sms
+        return programs / (triton.cdiv(programs, resident) * resident)
+
+    return narrow if last_wave_fill(narrow) >= last_wave_fill(decode) else decode
 
 
 def _gpu_config(queries_per_kv: int, head_padded: int, dtype: torch.dtype, max_query_len: int) -> PagedAttentionConfig:
     rows = max_query_len * queries_per_kv
-    tile = _gpu_tile(queries_per_kv, head_padded, dtype, max_query_len)
+    phase = _phase(queries_per_kv, max_query_len)
+    tile = _gpu_tile(head_padded, dtype, phase)
     block_m = tile.block_m
-    if rows <= _DECODE_ROWS:
+    if phase == "decode":
         block_m = min(block_m, max(16, triton.next_power_of_2(rows)))
     block_m = max(block_m, triton.next_power_of_2(queries_per_kv))  # one token's GQA group always fits
     return PagedAttentionConfig(

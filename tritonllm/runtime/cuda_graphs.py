@@ -7,8 +7,9 @@ B reads static input buffers, which each step overwrites:
     input_ids, positions, slot_mapping  [B] int64   padding rows: token 0, position 0, slot -1 (writes nothing)
     query_start_loc                     [B + 1]     int32, always 0, 1, ..., B (one query token per row)
     seq_lens                            [B] int32   padding rows: 1, so they attend to one key and stay finite
-    block_tables                        [B, max_blocks_per_seq] int32, max_blocks_per_seq = cdiv(max_model_len,
-                                        block_size); padding rows point at block 0 (any block is valid to read)
+    block_tables                        [B, W] int32, W = cdiv(max_model_len, block_size) rounded up to a multiple
+                                        of 16 (as eager steps' tables); padding rows point at block 0 (any block is
+                                        valid to read)
 
 The attention kernel's launch depends only on Python ints (tokens, sequences, max_query_len = 1, max_seq_len =
 max_model_len), so one graph serves every context length. Graphs share one memory pool and are captured from
@@ -31,7 +32,7 @@ from torch import nn
 
 from tritonllm.runtime.forward_context import AttentionMetadata, set_forward_context
 from tritonllm.runtime.scheduler_output import ScheduledSequence, SchedulerOutput
-from tritonllm.runtime.step_inputs import DeviceInputIds
+from tritonllm.runtime.step_inputs import DeviceInputIds, block_table_width
 
 # Above this many sequences a decode step is compute-heavy enough that launch overhead no longer matters.
 CAPTURE_SIZE_LIMIT = 256
@@ -111,7 +112,8 @@ class DecodeInputs:
         self.tokens = torch.zeros(3, max_size, dtype=torch.int64, device=device)
         self.small = torch.zeros(small_len, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(max_size + 1, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros(max_size, max_blocks_per_seq, dtype=torch.int32, device=device)
+        width = block_table_width(max_blocks_per_seq)
+        self.block_tables = torch.zeros(max_size, width, dtype=torch.int32, device=device)
         self.input_ids, self.positions, self.slot_mapping = self.tokens[0], self.tokens[1], self.tokens[2]
         self.seq_lens = self.small[:max_size]
         # Capture-time contents: all padding.

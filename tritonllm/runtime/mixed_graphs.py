@@ -6,7 +6,7 @@ kernels. A mixed step of n sequences and T tokens (T <= the largest bucket, n <=
 
     input_ids, positions, slot_mapping  [T_b] int64   rows T.. T_b: stale ids and positions, slot -1 (no KV write)
     query_start_loc                     [S + 1] int32 sequences n.. S-1 own no query tokens (start = end = T)
-    seq_lens, block_tables              [S], [S, max_blocks] int32; rows past n are never read
+    seq_lens, block_tables              [S], [S, W] int32 (W: step_inputs.block_table_width); rows past n unread
 
 with T_b the smallest bucket >= T and S = max_num_seqs. Every launch inside depends only on Python ints (T_b, S,
 max_query_len = T_b, max_seq_len = max_model_len): attention plans query tiles for T_b tokens over S sequences,
@@ -28,7 +28,7 @@ from torch import nn
 from tritonllm.runtime.cuda_graphs import capture_graphs
 from tritonllm.runtime.forward_context import AttentionMetadata, set_forward_context
 from tritonllm.runtime.scheduler_output import SchedulerOutput
-from tritonllm.runtime.step_inputs import StepInputs
+from tritonllm.runtime.step_inputs import StepInputs, block_table_width
 
 # Above this many tokens a step is compute-bound enough that launching its kernels costs little next to them.
 MIXED_TOKEN_LIMIT = 8192
@@ -78,7 +78,7 @@ class MixedGraphRunner:
         self.slot_mapping = torch.full((t,), -1, dtype=torch.int64, device=device)
         self.query_start_loc = torch.zeros(s + 1, dtype=torch.int32, device=device)
         self.seq_lens = torch.ones(s, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros(s, max_blocks, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(s, block_table_width(max_blocks), dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}  # bucket -> the graph's static hidden states [T_b, H]
         self.capture_seconds = 0.0

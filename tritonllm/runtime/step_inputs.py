@@ -6,9 +6,11 @@ the CPU never waits for the GPU here), copied once, and the int32 fields are cas
     int64 buffer: input_ids [T] | positions [T] | slot_mapping [T] | logits_indices [L] | int32 part
     int32 part:   query_start_loc [B + 1] | seq_lens [B] | block_tables [B * W]
 
-Each field starts 16 bytes into its buffer times a whole number (zeros pad the one before): Triton specializes
-kernels on whether a pointer is 16-byte aligned, so fields at offsets that follow the batch's sizes would give an
-eager step's kernels a variant the captured graphs never compiled, built in the middle of a run.
+Each field starts 16 bytes into its buffer times a whole number (zeros pad the one before), and block table rows
+hold a whole number of 16 entries (`block_table_width`, the graphs' static tables too): Triton specializes kernels
+on whether a pointer is 16-byte aligned and whether an integer (the table's row stride) is a multiple of 16, so
+offsets and widths that follow the batch would give an eager step's kernels variants the captured graphs never
+compiled, built in the middle of a run.
 """
 
 from __future__ import annotations
@@ -35,6 +37,13 @@ class StepInputs:
 # Elements per 16 bytes: the alignment Triton specializes pointers on.
 _ALIGN_INT64 = 2
 _ALIGN_INT32 = 4
+# The multiple Triton specializes integer arguments on.
+_TABLE_WIDTH_MULTIPLE = 16
+
+
+def block_table_width(num_blocks: int) -> int:
+    """Entries per block table row for tables of up to `num_blocks` blocks: the next multiple of 16."""
+    return -(-num_blocks // _TABLE_WIDTH_MULTIPLE) * _TABLE_WIDTH_MULTIPLE
 
 
 def _append_aligned(values: list[int], field: Sequence[int], align: int) -> int:
@@ -123,7 +132,7 @@ def build_step_inputs(
         logits_indices.extend(range(row0, row0 + n))
 
     num_tokens, num_seqs = len(ids), len(seq_lens)
-    width = max(len(e.block_table) for e in scheduled)
+    width = block_table_width(max(len(e.block_table) for e in scheduled))
     flat_tables: list[int] = []
     for entry in scheduled:
         table = entry.block_table
