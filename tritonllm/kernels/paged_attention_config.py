@@ -66,12 +66,12 @@ class _Tile:
     tile_n: int
     num_warps: int
     num_stages: int
-    programs_per_sm: int = 3  # resident programs per SM (registers, shared memory), for the split rule's waves
+    programs_per_sm: int = 3  # resident decode programs per SM (registers, shared memory): what a wave holds
 
 
-# Hopper (sm_90) table for fp16/bf16, keyed by (padded head size, "decode" | "prefill"). "decode" is a query
-# tile of at most _DECODE_ROWS rows (decode, speculative decode, short chunks); its block_m is only an upper
-# bound, the tile shrinks to the rows needed (>= 16, the MMA height).
+# Hopper (sm_90) table for fp16/bf16, keyed by (padded head size, "decode" | "decode_full_grid" | "prefill"; the
+# second is described below). "decode" is a query tile of at most _DECODE_ROWS rows (decode, speculative decode,
+# short chunks); its block_m is only an upper bound, the tile shrinks to the rows needed (>= 16, the MMA height).
 # Where the numbers come from: FlashAttention-style Triton kernels on H100 for prefill (wgmma tiles of 64-128
 # rows, 3 stages: two K/V buffers in flight); for decode (mma.sync, 16 rows), the Triton 3.9 pipeliner keeps
 # num_stages - 3 K/V tiles in flight behind the block-table load (stages 5: two tiles, 70 KiB of shared memory
@@ -154,10 +154,9 @@ def choose_num_splits(
 
     Split while the grid is short of _SPLIT_PROGRAMS_PER_SM programs per SM, or when it is between one and
     _MIN_WAVES waves of resident programs (`programs_per_sm` per SM; see above), past `merge_chunk` splits only in
-    whole chunks; never into
-    splits shorter than _SPLIT_MIN_TILES KV tiles of the longest sequence. A sequence shorter than max_seq_len cuts
-    its own range into the same number of splits, leaving any beyond its tiles empty (a launch slot, not a read):
-    what a CUDA graph captured at max_model_len replays.
+    whole chunks; never into splits shorter than _SPLIT_MIN_TILES KV tiles of the longest sequence. A sequence
+    shorter than max_seq_len cuts its own range into the same number of splits, leaving any beyond its tiles empty
+    (a launch slot, not a read): what a CUDA graph captured at max_model_len replays.
     """
     if num_programs <= 0:
         return 1
