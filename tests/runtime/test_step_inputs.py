@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from tests.helpers import seeds
 from tests.runtime.scheduled_batches import scheduled_batch
-from tritonllm.runtime.step_inputs import build_step_inputs
+from tritonllm.runtime.cuda_graphs import DecodeInputs
+from tritonllm.runtime.step_inputs import block_table_width, build_step_inputs
 
 
 @given(seed=seeds(), num_seqs=st.integers(1, 13), block_size=st.sampled_from([1, 2, 4, 16]), logits=st.booleans())
@@ -56,3 +57,12 @@ def test_fields_hold_the_batch_and_start_16_byte_aligned(seed, num_seqs, block_s
     assert meta.logits_indices.tolist()[: step.num_sampled] == sampled
     assert meta.max_query_len == max(e.num_new_tokens for e in batch)
     assert meta.max_seq_len == max(e.seq_len for e in batch)
+
+
+@given(max_blocks=st.integers(1, 300), max_size=st.integers(1, 9))
+def test_decode_graph_tables_share_the_eager_row_stride_class(max_blocks, max_size):
+    # The graphs' static table is as wide as max_model_len allows, rounded the way eager steps round theirs: the
+    # attention kernels of both see a row stride that is a multiple of 16, so they share compiled variants.
+    inputs = DecodeInputs(max_size, max_blocks, torch.device("cpu"))
+    assert inputs.block_tables.stride(0) == block_table_width(max_blocks)
+    assert block_table_width(max_blocks) % 16 == 0 and max_blocks <= block_table_width(max_blocks) < max_blocks + 16
