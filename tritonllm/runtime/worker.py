@@ -190,7 +190,7 @@ class Worker:
                 config.max_num_seqs, config.max_model_len, max_num_batched_tokens=config.max_num_batched_tokens
             )
         self.sampler = Sampler(engine.seed)
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and rank == 0:  # rank 0 alone samples
             self.sampler.warm_up(self.model_config.vocab_size, self.device)
         self.mirror = SequenceMirror()
 
