@@ -20,6 +20,7 @@ from tests.kernels.test_paged_attention import (
 )
 from tritonllm.kernels.arrival_counters import _COUNTERS
 from tritonllm.kernels.paged_attention_config import (
+    _CROWDED_PROGRAMS_PER_SM,
     _MAX_SPLITS,
     _MIN_WAVES,
     _SPLIT_MIN_TILES,
@@ -222,11 +223,14 @@ def test_num_splits_heuristic(num_programs, num_sms, max_seq_len, tile_n, chunk,
     [
         (8, 64, 5),  # 64 programs: split to about two per SM
         (32, 64, 1),  # 256 programs: less than a wave of either tile; the wider keeps more bytes in flight
-        (64, 32, 1),  # 512: one wave of the 4-per-SM tile, 1.3 of the 3-per-SM one
-        (80, 64, 1),  # 640: 1.6 waves of the 3-per-SM tile, 1.2 of the 4-per-SM one
-        (96, 64, 1),  # 768: 1.94 waves of the 3-per-SM tile, 1.45 of the 4-per-SM one
-        (128, 32, 1),  # 1024: 1.94 waves of the 4-per-SM tile, 2.6 of the 3-per-SM one
-        (256, 32, 1),
+        (48, 64, 1),  # 384: 2.9 programs per SM, too few for the 16-key tile; one near-full wave of the 64-key one
+        (56, 32, 1),  # 448: 0.85 of a wave of the 4-per-SM tile, 1.1 waves of the 3-per-SM one
+        (64, 16, 1),  # 512-1024: one wave of the 8-per-SM tile, at least 3.5 programs on every SM
+        (80, 16, 1),
+        (96, 16, 1),
+        (128, 16, 1),
+        (192, 32, 1),  # 1536: 1.45 waves of the 8-per-SM tile; 2.9 of the 4-per-SM one and 3.9 of the 3-per-SM one tie
+        (256, 16, 1),  # 2048: 1.94 waves of the 8-per-SM tile, 3.9 of the 4-per-SM one: a tie goes to more resident
     ],
 )
 def test_full_grid_decode_tiles(num_seqs, tile_n, num_splits):
@@ -237,6 +241,28 @@ def test_full_grid_decode_tiles(num_seqs, tile_n, num_splits):
         max_query_len=1, max_seq_len=4096, target=HOPPER_H200,
     )  # fmt: skip
     assert (cfg.tile_n, cfg.num_splits) == (tile_n, num_splits)
+
+
+@settings(max_examples=8)
+@given(
+    seqs=decode_batches(max_seqs=8, max_context=120),
+    layout=st.sampled_from([(2, 4), (1, 4), (2, 1)]),
+    block_size=block_sizes,
+    dtype=dtypes,
+    seed=seeds(),
+)
+def test_every_decode_grid_tile_matches_reference(seqs, layout, block_size, dtype, seed):
+    # Two SMs, so a handful of sequences walks through every regime: split below one program per SM, the 64- or
+    # 32-key tile up to _CROWDED_PROGRAMS_PER_SM, the 16-key crowded tile from there.
+    target = AttentionTarget(interpret=False, num_sms=2)
+    b = make_batch(seqs, *layout, 128, block_size, dtype, seed)
+    cfg = plan(b, target)
+    programs = len(seqs) * layout[0]
+    if programs >= _CROWDED_PROGRAMS_PER_SM * target.num_sms and dtype != torch.float32:  # fp32 has no such tile
+        assert (cfg.tile_n, cfg.num_warps, cfg.num_splits) == (16, 2, 1)
+    out = run(b, config=cfg)
+    rows = scheduled_rows(b)
+    assert_close(out[rows], reference(b)[rows], dtype=dtype)
 
 
 @given(

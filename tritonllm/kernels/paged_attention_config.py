@@ -69,9 +69,10 @@ class _Tile:
     programs_per_sm: int = 3  # resident decode programs per SM (registers, shared memory): what a wave holds
 
 
-# Hopper (sm_90) table for fp16/bf16, keyed by (padded head size, "decode" | "decode_full_grid" | "prefill"; the
-# second is described below). "decode" is a query tile of at most _DECODE_ROWS rows (decode, speculative decode,
-# short chunks); its block_m is only an upper bound, the tile shrinks to the rows needed (>= 16, the MMA height).
+# Hopper (sm_90) table for fp16/bf16, keyed by (padded head size, "decode" | "decode_full_grid" | "decode_crowded" |
+# "prefill"; the second and third are described below). "decode" is a query tile of at most _DECODE_ROWS rows
+# (decode, speculative decode, short chunks); its block_m is only an upper bound, the tile shrinks to the rows
+# needed (>= 16, the MMA height).
 # Where the numbers come from: FlashAttention-style Triton kernels on H100 for prefill (wgmma tiles of 64-128
 # rows, 3 stages: two K/V buffers in flight); for decode (mma.sync, 16 rows), the Triton 3.9 pipeliner keeps
 # num_stages - 3 K/V tiles in flight behind the block-table load (stages 5: two tiles, 70 KiB of shared memory
@@ -96,11 +97,21 @@ class _Tile:
 # batch 128 97.7 / 103.8 against 93.6 / 100.1; batch 96 (768: 1.45 narrow waves, 1.94 wide) 80.8 / 86.5 narrow
 # against 93.5 / 103.5 wide; batch 80 88.0 / 96.7 wide unsplit against 77.0 / 92.1 split in two; batch 32 (less than
 # a wave of either) 85.3 / 100.9 wide against 76.4 / 89.6 narrow on the H200 (on the H100 they were within 1%).
+# "decode_crowded": a third, for grids of at least _CROWDED_PROGRAMS_PER_SM programs per SM. 16 keys and 2 warps
+# take a quarter of the wide tile's registers, so 8 programs are resident per SM: a grid of up to one wave of them
+# spreads over the SMs within one program of each other, with no part-empty second wave. Below that many programs
+# per SM its reads in flight (16-key tiles) fall short; past one wave its own last wave is what counts, as above.
+# H100, 1k / 4k, % of copy bandwidth, against the best of the other two: batch 64 (512 programs) 95.1 / 101.8
+# against 93.9 / 100.8; batch 80 96.9 / 102.0 against 89.5 / 95.3; batch 96 98.0 / 102.2 against 94.6 / 101.2;
+# batch 128 98.8 / 102.4 against 97.7 / 102.0; batch 256 100.0 / 102.3 against 99.6 / 101.8; batch 192 (1.45
+# waves of it) 94.1 / 93.4 against 98.4 / 101.7; batch 48 (2.9 programs per SM) 90.1 / 97.2 against 92.2 / 100.5.
 _DECODE_ROWS = 32
+_CROWDED_PROGRAMS_PER_SM = 3.5
 _HOPPER_16BIT: dict[tuple[int, str], _Tile] = {
     (64, "decode"): _Tile(block_m=32, tile_n=128, num_warps=4, num_stages=5),
     (128, "decode"): _Tile(block_m=32, tile_n=64, num_warps=4, num_stages=5),
     (128, "decode_full_grid"): _Tile(block_m=32, tile_n=32, num_warps=4, num_stages=5, programs_per_sm=4),
+    (128, "decode_crowded"): _Tile(block_m=32, tile_n=16, num_warps=2, num_stages=5, programs_per_sm=8),
     (256, "decode"): _Tile(block_m=32, tile_n=32, num_warps=4, num_stages=5),
     (64, "prefill"): _Tile(block_m=128, tile_n=64, num_warps=8, num_stages=2),
     (128, "prefill"): _Tile(block_m=128, tile_n=32, num_warps=4, num_stages=3),
@@ -268,17 +279,24 @@ def _full_grid_tile(
     queries_per_kv: int, head_padded: int, dtype: torch.dtype, max_query_len: int, programs: int, num_sms: int
 ) -> _Tile | None:
     """For a decode grid of `programs` >= num_sms unsplit programs where the table has a "decode_full_grid" tile:
-    that tile or the "decode" one, whichever fills its last wave of resident programs best; else None."""
+    the "decode_crowded" tile where the grid is one wave of it with at least _CROWDED_PROGRAMS_PER_SM programs per
+    SM; else the tile whose last wave of resident programs is fullest (the crowded one only from that many programs
+    per SM), ties to the one with more resident programs; None elsewhere."""
     narrow = _gpu_tile(head_padded, dtype, "decode_full_grid")
     if narrow is None or programs < num_sms or _phase(queries_per_kv, max_query_len) != "decode":
         return None
-    decode = _gpu_tile(head_padded, dtype, "decode")
+    tiles = [narrow, _gpu_tile(head_padded, dtype, "decode")]
+    crowded = _gpu_tile(head_padded, dtype, "decode_crowded")
+    if crowded is not None and programs >= _CROWDED_PROGRAMS_PER_SM * num_sms:
+        if programs <= crowded.programs_per_sm * num_sms:
+            return crowded
+        tiles.insert(0, crowded)
 
     def last_wave_fill(tile: _Tile) -> float:
         resident = tile.programs_per_sm * num_sms
         return programs / (triton.cdiv(programs, resident) * resident)
 
-    return narrow if last_wave_fill(narrow) >= last_wave_fill(decode) else decode
+    return max(tiles, key=last_wave_fill)  # the first of equals: the most resident programs
 
 
 def _gpu_config(queries_per_kv: int, head_padded: int, dtype: torch.dtype, max_query_len: int) -> PagedAttentionConfig:
