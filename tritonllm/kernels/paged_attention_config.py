@@ -28,18 +28,21 @@ class AttentionTarget:
 
     interpret: bool  # Triton's interpreter: cost per op per program, not per element
     num_sms: int  # streaming multiprocessors (1 under the interpreter: programs run in turn)
+    dram_gbs: float = 4800.0  # peak DRAM bandwidth: the K/V reads a decode grid must keep in flight scale with it
 
 
-HOPPER_H200 = AttentionTarget(interpret=False, num_sms=132)
+HOPPER_H200 = AttentionTarget(interpret=False, num_sms=132, dram_gbs=4800.0)
+HOPPER_H100 = AttentionTarget(interpret=False, num_sms=132, dram_gbs=3352.3)  # H100 SXM5 80GB HBM3
 
 
 @functools.lru_cache(maxsize=8)
 def current_target(device_index: int = 0) -> AttentionTarget:
     if INTERPRET or not torch.cuda.is_available():
         return AttentionTarget(interpret=True, num_sms=1)
-    return AttentionTarget(
-        interpret=False, num_sms=torch.cuda.get_device_properties(device_index).multi_processor_count
-    )
+    props = torch.cuda.get_device_properties(device_index)
+    clock_khz, bus_bits = getattr(props, "memory_clock_rate", 0), getattr(props, "memory_bus_width", 0)
+    dram_gbs = 2 * clock_khz * 1e3 * bus_bits / 8 / 1e9  # double data rate; 0 where torch does not report them
+    return AttentionTarget(interpret=False, num_sms=props.multi_processor_count, dram_gbs=dram_gbs or 4800.0)
 
 
 @dataclass(slots=True, frozen=True)
@@ -89,24 +92,28 @@ class _Tile:
 # one graph tile serves. Prefill: 128 x 64, 8 warps, 4 stages was best at 2048 and 512 tokens (0.326 ms at 512
 # against 0.391 for the 64 x 32, 4-warp tile before).
 # "decode_full_grid": a second decode tile for grids of at least one program per SM, narrower so that more programs
-# are resident per SM. Such a grid runs unsplit on whichever of the two tiles fills its last wave best (ties: this
-# one); a part-empty last wave costs most. Head 128, triton 3.6: 32 keys, 5 stages take 106 registers a thread and
-# 37 KiB of shared memory, 4 resident programs (the 64-key tile: 142 registers, 70 KiB, 3). Measured on an H200 and
-# an H100 (32 / 8 heads, 1k and 4k contexts, % of copy bandwidth): batch 64 (512 programs: one wave of the narrow
-# tile, 1.3 of the wide) 93.0 / 103.5 narrow against 74.9 / 83.6 wide and 76.6 / 98.8 for two wide splits (H200);
-# batch 128 97.7 / 103.8 against 93.6 / 100.1; batch 96 (768: 1.45 narrow waves, 1.94 wide) 80.8 / 86.5 narrow
-# against 93.5 / 103.5 wide; batch 80 88.0 / 96.7 wide unsplit against 77.0 / 92.1 split in two; batch 32 (less than
-# a wave of either) 85.3 / 100.9 wide against 76.4 / 89.6 narrow on the H200 (on the H100 they were within 1%).
-# "decode_crowded": a third, for grids of at least _CROWDED_PROGRAMS_PER_SM programs per SM. 16 keys and 2 warps
-# take a quarter of the wide tile's registers, so 8 programs are resident per SM: a grid of up to one wave of them
-# spreads over the SMs within one program of each other, with no part-empty second wave. Below that many programs
-# per SM its reads in flight (16-key tiles) fall short; past one wave its own last wave is what counts, as above.
-# H100, 1k / 4k, % of copy bandwidth, against the best of the other two: batch 64 (512 programs) 95.1 / 101.8
-# against 93.9 / 100.8; batch 80 96.9 / 102.0 against 89.5 / 95.3; batch 96 98.0 / 102.2 against 94.6 / 101.2;
-# batch 128 98.8 / 102.4 against 97.7 / 102.0; batch 256 100.0 / 102.3 against 99.6 / 101.8; batch 192 (1.45
-# waves of it) 94.1 / 93.4 against 98.4 / 101.7; batch 48 (2.9 programs per SM) 90.1 / 97.2 against 92.2 / 100.5.
+# are resident per SM: a part-empty last wave of resident programs costs most. Measured on an H200 (32 / 8 heads,
+# 1k / 4k contexts, % of copy bandwidth): batch 64 (512 programs: one wave of the 32-key tile, 1.3 of the 64-key one)
+# 93.0 / 103.5 against 74.9 / 83.6 and 76.6 / 98.8 for two 64-key splits; batch 96 (768: 1.45 waves of the 32-key
+# tile, 1.94 of the 64-key one) 80.8 / 86.5 against 93.5 / 103.5; batch 32 (less than a wave of either) 76.4 / 89.6
+# against 85.3 / 100.9 (within 1% of each other on an H100).
+# "decode_crowded": a third, 16 keys and 2 warps: a quarter of the wide tile's registers, so 8 programs are resident
+# per SM, and a grid of up to that many spreads over the SMs within one program of each other, with no part-empty
+# second wave. Which tile a grid of at least one program per SM gets (`_full_grid_tile`): first, a tile must keep
+# enough K/V reads in flight on every SM to cover the DRAM latency at the GPU's bandwidth per SM (Little's law;
+# `_fed`), so the narrower a tile, the more programs per SM it needs, and the more so on a faster GPU; among those,
+# the one whose last wave is fullest (a grid within one wave counts as full), ties to the most resident programs.
+# _READ_LATENCY_US is fitted to where the narrower tiles start to win on an H100 (3.35 TB/s, 132 SMs): the 32-key
+# tile from about 1.7 programs per SM, the 16-key one from about 3.3; the H200 (4.8 TB/s) lost 9-11 points on the
+# 32-key tile at 1.9 programs per SM (batch 32), which the rule keeps on the 64-key one there.
+# Triton 3.6, head 128 (registers a thread, shared memory, resident programs): 64 keys 142, 70 KiB, 3; 32 keys 106,
+# 37 KiB, 4; 16 keys 122 (2 warps), 21 KiB, 8. H100, 1k / 4k, % of copy bandwidth (docs/benchmarks.md, seventeenth
+# pass), the tile now chosen against the best other: batch 40 (320 programs) 32 keys 87.6-89.5 / 99.4-99.8 against
+# 82.0-84.9 / 93.9-95.0; batch 56 16 keys 90.7-93.1 / 97.2-100.2 against 87.5-90.4 / 93.8-97.7; batch 80 16 keys
+# 96.7-96.9 / 101.9-102.0 against 89.5-90.1 / 94.6-95.3; batch 192 (1.45 waves of the 16-key tile) 32 keys 98.4 /
+# 101.9 against 97.4 / 100.4.
 _DECODE_ROWS = 32
-_CROWDED_PROGRAMS_PER_SM = 3.5
+_READ_LATENCY_US = 1.05
 _HOPPER_16BIT: dict[tuple[int, str], _Tile] = {
     (64, "decode"): _Tile(block_m=32, tile_n=128, num_warps=4, num_stages=5),
     (128, "decode"): _Tile(block_m=32, tile_n=64, num_warps=4, num_stages=5),
@@ -221,7 +228,7 @@ def paged_attention_config(
     if num_splits is None and target.interpret:
         num_splits = 1
     elif num_splits is None:
-        full_grid = _full_grid_tile(queries_per_kv, head_padded, dtype, max_query_len, programs, target.num_sms)
+        full_grid = _full_grid_tile(queries_per_kv, head_padded, dtype, max_query_len, programs, target)
         if full_grid is not None:  # fills the GPU unsplit
             tile = dict(tile_n=full_grid.tile_n, num_warps=full_grid.num_warps, num_stages=full_grid.num_stages)
             cfg, num_splits = dataclasses.replace(cfg, **tile), 1
@@ -276,27 +283,37 @@ def _gpu_tile(head_padded: int, dtype: torch.dtype, phase: str) -> _Tile | None:
 
 
 def _full_grid_tile(
-    queries_per_kv: int, head_padded: int, dtype: torch.dtype, max_query_len: int, programs: int, num_sms: int
+    queries_per_kv: int,
+    head_padded: int,
+    dtype: torch.dtype,
+    max_query_len: int,
+    programs: int,
+    target: AttentionTarget,
 ) -> _Tile | None:
     """For a decode grid of `programs` >= num_sms unsplit programs where the table has a "decode_full_grid" tile:
-    the "decode_crowded" tile where the grid is one wave of it with at least _CROWDED_PROGRAMS_PER_SM programs per
-    SM; else the tile whose last wave of resident programs is fullest (the crowded one only from that many programs
-    per SM), ties to the one with more resident programs; None elsewhere."""
+    of the decode tiles that keep enough reads in flight (`_fed`; the widest whatever), the one whose last wave of
+    resident programs is fullest, a grid within one wave counting as full; ties to the most resident. Else None."""
+    num_sms = target.num_sms
     narrow = _gpu_tile(head_padded, dtype, "decode_full_grid")
     if narrow is None or programs < num_sms or _phase(queries_per_kv, max_query_len) != "decode":
         return None
-    tiles = [narrow, _gpu_tile(head_padded, dtype, "decode")]
-    crowded = _gpu_tile(head_padded, dtype, "decode_crowded")
-    if crowded is not None and programs >= _CROWDED_PROGRAMS_PER_SM * num_sms:
-        if programs <= crowded.programs_per_sm * num_sms:
-            return crowded
-        tiles.insert(0, crowded)
+    crowded, wide = _gpu_tile(head_padded, dtype, "decode_crowded"), _gpu_tile(head_padded, dtype, "decode")
+    tiles = [t for t in (crowded, narrow, wide) if t is not None]  # most resident first
+    elem_bytes = torch.tensor([], dtype=dtype).element_size()
+    fed = [t for t in tiles if _fed(t, programs / num_sms, head_padded * elem_bytes, target)] or [wide]
 
     def last_wave_fill(tile: _Tile) -> float:
         resident = tile.programs_per_sm * num_sms
-        return programs / (triton.cdiv(programs, resident) * resident)
+        return 1.0 if programs <= resident else programs / (triton.cdiv(programs, resident) * resident)
 
-    return max(tiles, key=last_wave_fill)  # the first of equals: the most resident programs
+    return max(fed, key=last_wave_fill)  # the first of equals: the most resident
+
+
+def _fed(tile: _Tile, programs_per_sm: float, row_bytes: int, target: AttentionTarget) -> bool:
+    """Whether `programs_per_sm` programs of `tile`, each reading one K and one V tile of `row_bytes` rows at a
+    time, keep the SM's share of the DRAM bandwidth busy for _READ_LATENCY_US."""
+    in_flight = programs_per_sm * tile.tile_n * 2 * row_bytes
+    return in_flight >= target.dram_gbs / target.num_sms * 1e3 * _READ_LATENCY_US
 
 
 def _gpu_config(queries_per_kv: int, head_padded: int, dtype: torch.dtype, max_query_len: int) -> PagedAttentionConfig:
