@@ -4,6 +4,7 @@
     python benchmarks/bench_attention.py --out results/ --sweep    # + launch-config sweep for the Hopper table
     python benchmarks/bench_attention.py --out /tmp/smoke --tiny   # toy shapes, any device (CPU: interpreter)
     python benchmarks/bench_attention.py --out results/ --head-dim 64 --sweep --only-extra  # another head size
+    python benchmarks/bench_attention.py --out results/ --only-extra --tile-sweep --batches 32,64 --contexts 1024
 
 Decode: one query token per sequence, batch 1..256 x context 512..8k, 32 query / 8 KV heads of 128, bf16, KV
 blocks of 16 scattered over the cache in random order. Ours reads the paged cache; SDPA reads the same K/V laid
@@ -47,6 +48,7 @@ from tritonllm.kernels.paged_attention import paged_attention  # noqa: E402
 from tritonllm.kernels.paged_attention_config import (  # noqa: E402
     PagedAttentionConfig,
     current_target,
+    decode_tiles,
     paged_attention_config,
 )
 
@@ -382,6 +384,43 @@ def run_split_sweep(s, dtype, device, copy_gbs) -> list[dict]:
     return rows
 
 
+def run_tile_sweep(s, dtype, device, copy_gbs) -> list[dict]:
+    """Decode at every batch x context: the plan against each of the table's decode tiles forced unsplit (% of
+    copy bandwidth), and SDPA: what the rule in `_full_grid_tile` is checked against."""
+    rows = []
+    tiles = decode_tiles(s.head_dim, dtype)
+    for context, batch in itertools.product(s.contexts, s.batches):
+        case = decode_case(batch, context, s, dtype, device)
+        plan = case.config
+        row = dict(batch=batch, context=context, plan=_tile_label(plan), pct_copy={})
+        configs = {"plan": plan}
+        for tile_n, warps, stages in tiles.values():
+            cfg = dataclasses.replace(plan, tile_n=tile_n, num_warps=warps, num_stages=stages, num_splits=1)
+            configs[_tile_label(cfg)] = cfg
+        for name, cfg in configs.items():
+            err = case.check(cfg)
+            if err > MAX_DIFF:
+                log(f"WARNING: tile sweep B={batch} S={context} {name} differs from SDPA by {err:.3g}")
+            t = time_graph_ms(case.ours(cfg), device)
+            row["pct_copy"][name] = 100 * case.work / (t * 1e-3) / 1e9 / copy_gbs
+        t = time_graph_ms(case.sdpa, device)
+        row["pct_copy"]["sdpa"] = 100 * case.work / (t * 1e-3) / 1e9 / copy_gbs
+        log(
+            f"tiles B={batch} S={context} plan {row['plan']}: "
+            + " ".join(f"{name} {pct:.1f}%" for name, pct in row["pct_copy"].items())
+        )
+        rows.append(row)
+        del case
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def _tile_label(cfg: PagedAttentionConfig) -> str:
+    splits = f", {cfg.num_splits} splits" if cfg.num_splits > 1 else ""
+    return f"{cfg.tile_n} keys, {cfg.num_warps} warps, {cfg.num_stages} stages{splits}"
+
+
 def run_graph_splits(s, dtype, device, copy_gbs) -> list[dict]:
     """Batch 1-4 decode planned for GRAPH_MAX_SEQ_LEN at shorter contexts: each forced split count, merged by the
     last split program ("in launch") or by a merge launch, against the count the heuristics choose ("default")."""
@@ -691,6 +730,17 @@ def render(results: dict) -> str:
             "",
             markdown_table(["batch", "context", *[f"{n} splits" for n in SWEEP_SPLITS]], list(rows.values())),
         ]
+    if results.get("tile_sweep"):
+        names = list(results["tile_sweep"][0]["pct_copy"])
+        parts += [
+            "",
+            "## Decode tiles (% of copy bandwidth: the plan, each table tile forced unsplit, SDPA)",
+            "",
+            markdown_table(
+                ["batch", "context", "plan", *[f"{name} %" for name in names]],
+                [[r["batch"], r["context"], r["plan"], *r["pct_copy"].values()] for r in results["tile_sweep"]],
+            ),
+        ]
     if results.get("graph_splits"):
         labels = list(dict.fromkeys(r["config"] for r in results["graph_splits"]))
         rows = {}
@@ -744,6 +794,9 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="directory for attention.json and attention.md")
     parser.add_argument("--sweep", action="store_true", help="also sweep launch configs (a few more minutes)")
     parser.add_argument("--split-sweep", action="store_true", help="also time KV splits 1..8 at batch >= 32")
+    parser.add_argument(
+        "--tile-sweep", action="store_true", help="also time the plan against each decode tile, unsplit"
+    )
     parser.add_argument("--graph-splits", action="store_true", help="also time batch 1-4 decode planned for 4k")
     parser.add_argument("--chain", action="store_true", help="also time batch 1-8 decode per layer of a step")
     parser.add_argument("--chain-batches", default=None, help="batch sizes --chain times, e.g. 1,8 (default: 1,2,4,8)")
@@ -757,6 +810,7 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=KV_HEADS, help="KV heads")
     parser.add_argument("--head-dim", type=int, default=HEAD_DIM, help="head size (the table is keyed by it)")
     parser.add_argument("--batches", default=None, help="comma-separated decode batch sizes (default: all)")
+    parser.add_argument("--contexts", default=None, help="comma-separated decode contexts (default: all)")
     parser.add_argument(
         "--sweep-decode",
         default=None,
@@ -772,6 +826,8 @@ def main() -> None:
     shapes = TINY if args.tiny else Shapes(heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim)
     if args.batches:
         shapes = dataclasses.replace(shapes, batches=tuple(int(b) for b in args.batches.split(",")))
+    if args.contexts:
+        shapes = dataclasses.replace(shapes, contexts=tuple(int(c) for c in args.contexts.split(",")))
     if args.sweep_decode:
         pairs = (
             ()
@@ -807,6 +863,8 @@ def main() -> None:
         results["sweep"] = run_sweep(shapes, dtype, device, copy_gbs)
     if args.split_sweep:
         results["split_sweep"] = run_split_sweep(shapes, dtype, device, copy_gbs)
+    if args.tile_sweep:
+        results["tile_sweep"] = run_tile_sweep(shapes, dtype, device, copy_gbs)
     if args.graph_splits:
         results["graph_splits"] = run_graph_splits(shapes, dtype, device, copy_gbs)
     write_results(args.out, "attention", results, render(results))

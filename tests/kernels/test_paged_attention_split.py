@@ -29,6 +29,7 @@ from tritonllm.kernels.paged_attention_config import (
     PagedAttentionConfig,
     choose_num_splits,
     current_target,
+    decode_tiles,
     paged_attention_config,
 )
 from tritonllm.kernels.paged_attention_split import merge_attention_partials, merge_attention_partials_ref
@@ -248,6 +249,22 @@ def test_full_grid_decode_tiles(target, num_seqs, tile_n, num_splits):
     )  # fmt: skip
     assert (cfg.tile_n, cfg.num_splits) == (tile_n, num_splits)
     assert cfg.num_warps == (2 if tile_n == 16 else 4)
+
+
+@pytest.mark.parametrize("target", [HOPPER_H100, HOPPER_H200])
+def test_decode_plans_use_the_tables_decode_tiles(target):
+    # What benchmarks force (decode_tiles) is what plans pick from: every decode plan runs one of those tiles.
+    tiles = decode_tiles(128, torch.bfloat16)
+    assert set(tiles) == {"decode", "decode_full_grid", "decode_crowded"}
+    picked = set()
+    for num_seqs in range(1, 300, 7):
+        cfg = paged_attention_config(
+            num_seqs=num_seqs, num_heads=32, num_kv_heads=8, head_size=128, dtype=torch.bfloat16,
+            max_query_len=1, max_seq_len=2048, target=target,
+        )  # fmt: skip
+        picked.add((cfg.tile_n, cfg.num_warps, cfg.num_stages))
+    assert picked == set(tiles.values())
+    assert decode_tiles(64, torch.float32) == {"decode": (32, 8, 2)}
 
 
 def test_faster_memory_needs_more_programs_per_sm_for_narrower_tiles():

@@ -273,6 +273,18 @@ def _merge_chunk(cfg: PagedAttentionConfig, head_padded: int, target: AttentionT
     return max(1, triton.next_power_of_2(chunk + 1) // 2)
 
 
+def decode_tiles(head_size: int, dtype: torch.dtype) -> dict[str, tuple[int, int, int]]:
+    """The GPU table's decode tiles for this head size, by entry name: (tile_n, num_warps, num_stages). For
+    benchmarks that force each tile on a grid the plan would give one of them."""
+    head_padded = max(64, triton.next_power_of_2(head_size))
+    table = _HOPPER_FP32 if dtype == torch.float32 else _HOPPER_16BIT
+    return {
+        phase: (tile.tile_n, tile.num_warps, tile.num_stages)
+        for (size, phase), tile in table.items()
+        if size == head_padded and phase.startswith("decode")
+    }
+
+
 def _phase(queries_per_kv: int, max_query_len: int) -> str:
     return "decode" if max_query_len * queries_per_kv <= _DECODE_ROWS else "prefill"
 
