@@ -77,6 +77,7 @@ CHAIN_CONTEXTS = (1024, 4096, 8192, 16384, 32768)
 CHAIN_SPLITS = (8, 16, 32, 64)
 CHAIN_MERGES = (("in launch", True, 4), ("in launch x8", True, 8), ("merge launch", False, 4))
 CHAIN_TILES = ((32, 4), (64, 4), (64, 5), (128, 4), (128, 5))  # (tile_n, stages) tried at batch 1
+CHAIN_SPLIT_MIN_TILES = (1, 2, 4, 8)  # the default plan with each split walking at least this many KV tiles
 MAX_DIFF = 0.05  # bf16 outputs of unit-variance attention: a larger gap to SDPA means a wrong result
 
 
@@ -458,6 +459,10 @@ def _chain_configs(batch: int, context: int, s: Shapes, dtype, device) -> dict[s
     )  # fmt: skip
     default = paged_attention_config(**plan)
     configs = {"default": default}
+    if default.num_splits > 1:
+        for min_tiles in CHAIN_SPLIT_MIN_TILES:
+            cfg = dataclasses.replace(default, split_min_tiles=min_tiles)
+            configs.setdefault(f"{cfg.num_splits} splits of >= {min_tiles} tiles", cfg)
     for n, (merge, in_launch, chunk) in itertools.product(CHAIN_SPLITS, CHAIN_MERGES):
         cfg = dataclasses.replace(
             paged_attention_config(**plan, num_splits=n), merge_in_launch=in_launch, merge_chunk=chunk
@@ -472,24 +477,29 @@ def _chain_configs(batch: int, context: int, s: Shapes, dtype, device) -> dict[s
     return configs
 
 
-def run_chain(s, dtype, device, copy_gbs, default_only: bool = False) -> list[dict]:
-    """Small-batch decode timed per layer inside one graph of a step's worth of layers (see CHAIN_BATCHES)."""
+def run_chain(s, dtype, device, copy_gbs, default_only: bool = False, match: str | None = None) -> list[dict]:
+    """Small-batch decode timed per layer inside one graph of a step's worth of layers (see CHAIN_BATCHES); only
+    the default plan with `default_only`, else every config or those whose label contains `match`."""
     rows = []
     for batch, context in itertools.product(s.chain_batches, s.chain_contexts):
-        rows.append(_chain_row(batch, context, s, dtype, device, copy_gbs, default_only))
+        rows.append(_chain_row(batch, context, s, dtype, device, copy_gbs, default_only, match))
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return rows
 
 
-def _chain_row(batch: int, context: int, s: Shapes, dtype, device, copy_gbs: float, default_only: bool) -> dict:
+def _chain_row(
+    batch: int, context: int, s: Shapes, dtype, device, copy_gbs: float, default_only: bool, match: str | None
+) -> dict:
     first = decode_case(batch, context, s, dtype, device)
     layers = max(2, -(-STREAM_BYTES // int(first.work))) if device.type == "cuda" else 1
     cases = [first] + [decode_case(batch, context, s, dtype, device, seed=i) for i in range(1, layers)]
     sdpa_us = stream_us(lambda f: f(), [c.sdpa for c in cases], device)
     timed = {}
     configs = _chain_configs(batch, context, s, dtype, device)
-    for label, cfg in ({"default": configs["default"]} if default_only else configs).items():
+    if default_only or match:
+        configs = {k: v for k, v in configs.items() if k == "default" or (match and match in k)}
+    for label, cfg in configs.items():
         result = _try_time(
             label, lambda cfg=cfg: (first.check(cfg), stream_us(lambda f: f(), [c.ours(cfg) for c in cases], device))
         )
@@ -804,6 +814,7 @@ def main() -> None:
     parser.add_argument(
         "--chain-default-only", action="store_true", help="--chain times the default plan and SDPA only"
     )
+    parser.add_argument("--chain-match", default=None, help="--chain times the default and configs labelled with this")
     parser.add_argument("--only-mixed", action="store_true", help="skip the decode and prefill tables")
     parser.add_argument("--only-extra", action="store_true", help="only the tables asked for by other flags")
     parser.add_argument("--heads", type=int, default=HEADS, help="query heads")
@@ -858,7 +869,9 @@ def main() -> None:
     )
     results["mixed"] = [] if args.only_extra else run_mixed(shapes, dtype, device)
     if args.chain:
-        results["chain"] = run_chain(shapes, dtype, device, copy_gbs, default_only=args.chain_default_only)
+        results["chain"] = run_chain(
+            shapes, dtype, device, copy_gbs, default_only=args.chain_default_only, match=args.chain_match
+        )
     if args.sweep:
         results["sweep"] = run_sweep(shapes, dtype, device, copy_gbs)
     if args.split_sweep:

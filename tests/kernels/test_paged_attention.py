@@ -390,6 +390,8 @@ def test_rejects_configs_that_cannot_run_the_batch():
         call(dataclasses.replace(good, kv_heads_per_program=3))
     with pytest.raises(ValueError, match="num_splits"):
         call(dataclasses.replace(good, num_splits=2))
+    with pytest.raises(ValueError, match="split_min_tiles"):
+        call(dataclasses.replace(good, split_min_tiles=0))
     with pytest.raises(ValueError, match="short_queries"):
         call(dataclasses.replace(good, short_queries=dataclasses.replace(good.short_queries, num_splits=2)))
     with pytest.raises(ValueError, match="short_queries"):

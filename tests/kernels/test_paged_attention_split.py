@@ -64,6 +64,7 @@ def decode_batches(draw, max_seqs: int = 3, max_context: int = 200) -> list[tupl
     block_size=block_sizes,
     window=windows,
     num_splits=st.sampled_from([2, 3, 5, 8]),
+    split_min_tiles=st.sampled_from([1, 1, 2, 3]),
     short_tiles=st.booleans(),
     merge_in_launch=st.booleans(),
     dtype=dtypes,
@@ -71,12 +72,13 @@ def decode_batches(draw, max_seqs: int = 3, max_context: int = 200) -> list[tupl
     seed=seeds(),
 )
 def test_forced_split_matches_reference(
-    seqs, layout, head_size, block_size, window, num_splits, short_tiles, merge_in_launch, dtype, target, seed
-):
+    seqs, layout, head_size, block_size, window, num_splits, split_min_tiles, short_tiles, merge_in_launch, dtype,
+    target, seed,
+):  # fmt: skip
     b = make_batch(seqs, *layout, head_size, block_size, dtype, seed)
     cfg = plan(b, target or current_target(), window, num_splits)
     assert cfg.num_splits == num_splits  # every sequence fits one query tile: the split path runs
-    cfg = dataclasses.replace(cfg, merge_in_launch=merge_in_launch)
+    cfg = dataclasses.replace(cfg, merge_in_launch=merge_in_launch, split_min_tiles=split_min_tiles)
     if short_tiles:  # many KV tiles per sequence, rarely a multiple of the split count
         cfg = dataclasses.replace(cfg, tile_n=16)
 
@@ -107,6 +109,31 @@ def test_in_launch_merge_over_more_splits_than_one_read(num_splits, extra, layou
     outs = [run(b, config=dataclasses.replace(cfg, merge_in_launch=fused)) for fused in (True, False)]
     assert_close(outs[0], reference(b), dtype=dtype)
     assert_close(outs[0], outs[1], dtype=dtype)
+
+
+@settings(max_examples=6)
+@given(
+    tiles=st.integers(1, 12),
+    split_min_tiles=st.integers(2, 5),
+    merge_in_launch=st.booleans(),
+    layout=small_layouts,
+    dtype=dtypes,
+    target=targets,
+    seed=seeds(),
+)
+def test_sequences_shorter_than_the_minimum_split_use_fewer_splits(
+    tiles, split_min_tiles, merge_in_launch, layout, dtype, target, seed
+):
+    # 8 splits planned, but each split must walk split_min_tiles 16-key tiles: a sequence of `tiles` tiles uses
+    # ceil(tiles / split_min_tiles) of them or fewer; both merges weigh exactly the splits that hold keys.
+    b = make_batch([(16 * tiles - 1, 1), (16 * (tiles + 3), 1)], *layout, 64, 16, dtype, seed)
+    cfg = dataclasses.replace(
+        plan(b, target or current_target(), None, 8), tile_n=16, split_min_tiles=split_min_tiles,
+        merge_in_launch=merge_in_launch,
+    )  # fmt: skip
+    out = run(b, config=cfg)
+    assert_close(out, reference(b), dtype=dtype)
+    assert all(int(c.abs().sum()) == 0 for c in _COUNTERS.values())
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

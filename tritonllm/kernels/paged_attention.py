@@ -106,6 +106,7 @@ def _paged_attention_kernel(
     MERGE_IN_LAUNCH: tl.constexpr,
     MERGE_SPLITS_PADDED: tl.constexpr,
     MERGE_CHUNK: tl.constexpr,
+    SPLIT_MIN_TILES: tl.constexpr,
     SLIDING_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     INTERPRET: tl.constexpr,
@@ -178,11 +179,11 @@ def _paged_attention_kernel(
     lo = (kv_start // TILE_N) * TILE_N
     hi = kv_end
     if SPLIT_KV:
-        # This program's run of whole tiles; the sequence's own length sets the run, so a launch sized for a
-        # longer max_seq_len leaves the trailing splits empty rather than unbalanced.
+        # This program's run of whole tiles (at least SPLIT_MIN_TILES); the sequence's own length sets the run,
+        # so a launch sized for a longer max_seq_len leaves the trailing splits empty rather than unbalanced.
         split = tl.program_id(2).to(IDX)
         num_tiles = tl.cdiv(kv_end - lo, TILE_N)  # >= 1: a scheduled query sees at least itself
-        tiles_per_split = tl.cdiv(num_tiles, num_splits)
+        tiles_per_split = tl.maximum(tl.cdiv(num_tiles, num_splits), SPLIT_MIN_TILES)
         if MERGE_IN_LAUNCH:
             # Only the splits that hold keys take part (a short sequence in a launch planned for max_model_len
             # leaves most of them empty): the rest neither store partials nor arrive, and the merge reads fewer.
@@ -397,6 +398,7 @@ def _launch(
         MERGE_IN_LAUNCH=merge_in_launch,
         MERGE_SPLITS_PADDED=triton.next_power_of_2(cfg.num_splits),
         MERGE_CHUNK=min(cfg.merge_chunk, triton.next_power_of_2(cfg.num_splits)),
+        SPLIT_MIN_TILES=cfg.split_min_tiles,
         SLIDING_WINDOW=sliding_window or 0,
         DOT_PRECISION="ieee" if fp32_dot else "tf32",
         INTERPRET=INTERPRET,

@@ -57,6 +57,10 @@ class PagedAttentionConfig:
     merge_heads_per_program: int = 1  # query heads per program of the split-KV merge launch (power of two)
     merge_in_launch: bool = True  # split-KV: the last split program of a tile merges; False: a merge launch
     merge_chunk: int = 4  # splits the in-launch merge reads per step ([block_m, chunk, D] fp32; power of two)
+    # Split-KV: each used split walks at least this many KV tiles of its sequence, so a sequence shorter than
+    # num_splits x split_min_tiles tiles uses fewer splits (decided on the device from its length: a graph planned
+    # for max_model_len gives a short sequence fewer, fuller splits and its merge fewer partials to read).
+    split_min_tiles: int = 1
     # Sequences of at most short_queries.block_q queries (the decodes of a mixed step) run in a launch of their
     # own with this decode-shaped config, one program per sequence; this config's launch skips them. Without it
     # a decode next to a prefill chunk gets a whole prefill tile (128 rows) for its one token's GQA group.
@@ -406,6 +410,8 @@ def check_config(cfg: PagedAttentionConfig, num_kv_heads: int, queries_per_kv: i
             f"config.block_m {cfg.block_m} must hold block_q {cfg.block_q} tokens x {rows_per_token} heads; "
             "build it with paged_attention_config()"
         )
+    if cfg.split_min_tiles < 1:
+        raise ValueError(f"config.split_min_tiles must be >= 1, got {cfg.split_min_tiles}")
     if cfg.num_splits < 1 or (cfg.num_splits > 1 and max(1, max_query_len) > cfg.block_q):
         raise ValueError(
             f"config.num_splits {cfg.num_splits} needs every sequence in one query tile (max_query_len "
