@@ -239,9 +239,18 @@ def test_num_splits_heuristic(num_programs, num_sms, max_seq_len, tile_n, chunk,
         assert num_programs * (n - 1) < wanted  # no more splits than it takes to get there
     if n > chunk:
         assert n % chunk == 0  # whole merge chunks
-    if n < min(max_seq_len // (tile_n * _SPLIT_MIN_TILES), _MAX_SPLITS) and (n > 1 or num_programs < num_sms):
-        # Not held back by the length: there, or one merge chunk short of it.
-        assert num_programs * (n + (chunk - 1 if n >= chunk else 0)) >= wanted
+    room = min(max_seq_len // (tile_n * _SPLIT_MIN_TILES), _MAX_SPLITS)  # splits the length allows
+    if n + (chunk if n >= chunk else 1) <= room and (n > 1 or num_programs < num_sms):
+        # Not held back by the length: there, one split short of it where that spreads more evenly over the SMs,
+        # or one merge chunk short of it.
+        assert num_programs * (n + 1 + (chunk - 1 if n >= chunk else 0)) >= wanted
+    if 1 < n < chunk and num_programs < num_sms and n < max_seq_len // (tile_n * _SPLIT_MIN_TILES):
+        # Of the split counts on either side of two programs per SM, the one whose programs spread more evenly.
+        def most_per_sm(splits):  # the SM that finishes last holds this many programs (per program of work)
+            return -(-num_programs * splits // num_sms) / splits
+
+        other = n - 1 if num_programs * n >= wanted else n + 1
+        assert most_per_sm(n) <= most_per_sm(other)
     # Longer contexts never ask for fewer splits.
     assert choose_num_splits(num_programs, num_sms, 2 * max_seq_len, tile_n, chunk, programs_per_sm=per_sm) >= n
 
@@ -250,7 +259,10 @@ def test_num_splits_heuristic(num_programs, num_sms, max_seq_len, tile_n, chunk,
 # 4k contexts on 132 SMs. H100 rows: the fastest of the 16-, 32- and 64-key tiles and of splitting where measured
 # (docs/benchmarks.md); H200 rows: measured at batch 32 and 64, the rest what the rule predicts from the bandwidth.
 FULL_GRID_TILES = [
-    (HOPPER_H100, 8, 64, 5),  # 64 programs: split to about two per SM
+    (HOPPER_H100, 1, 64, 32),  # 8 programs: 32 splits of a few tiles each keep the tile batch 1 was tuned with
+    (HOPPER_H100, 4, 32, 8),  # 32 programs x 8 splits: 1.94 per SM, the 32-key tile as for an unsplit batch 32
+    (HOPPER_H100, 8, 32, 4),  # 64 programs: 4 splits spread evenly (1.94 per SM); 5 would leave SMs with 3 and 2
+    (HOPPER_H200, 8, 64, 4),  # the same grid at 4.8 TB/s: too few reads in flight for the 32-key tile
     (HOPPER_H100, 32, 32, 1),  # 1.9 programs per SM: enough reads in flight for 32-key tiles on this GPU
     (HOPPER_H100, 48, 32, 1),  # 2.9: too few for 16-key tiles
     (HOPPER_H100, 56, 16, 1),  # 3.4-7.8: one wave of the 8-per-SM 16-key tile

@@ -148,6 +148,12 @@ _MAX_SPLITS = 64
 # decode programs (1.3 waves) ran at 78-84% of copy bandwidth where 768-3072 ran at 92-103%. Such grids split
 # until they pass _MIN_WAVES waves of their tile's resident programs (_Tile.programs_per_sm).
 _MIN_WAVES = 1.9
+# A decode grid split at most this many ways picks its tile by the rule of grids that need no split
+# (`_full_grid_tile`, on the split grid's program count). H100, per layer inside a step's graph, % of copy
+# bandwidth at 4k / 16k: batch 8 split 4 ways on the 32-key tile 83.9 / 95.1 against 77.0 / 88.9 for 5 ways on
+# the 64-key one (the plan before); batch 4, 8 ways, 75.4 / 91.2 against 72.2 / 90.4. Batch 1-2 (16-32 ways, a
+# few KV tiles per split, bound by each program's chain of dependent loads) keep the tile they were tuned with.
+_SPLIT_GRID_MAX_SPLITS = 8
 # The last split program of a tile merges in the launch up to this many splits, reading the partials a chunk of
 # splits at a time ([block_m, chunk, D] fp32 in _MERGE_REGISTERS registers a thread: 8 splits at 16 rows x 128);
 # more splits go to a merge launch, whose programs read them all in parallel. More splits than a whole number of
@@ -174,7 +180,8 @@ def choose_num_splits(
 ) -> int:
     """KV splits per sequence for a launch of `num_programs` = num_seqs * num_kv_heads unsplit programs.
 
-    Split while the grid is short of _SPLIT_PROGRAMS_PER_SM programs per SM, or when it is between one and
+    Split while the grid is short of _SPLIT_PROGRAMS_PER_SM programs per SM (to the split count on either side
+    of that whose programs spread most evenly over the SMs, the larger on ties), or when it is between one and
     _MIN_WAVES waves of resident programs (`programs_per_sm` per SM; see above), past `merge_chunk` splits only in
     whole chunks; never into splits shorter than _SPLIT_MIN_TILES KV tiles of the longest sequence. A sequence
     shorter than max_seq_len cuts its own range into the same number of splits, leaving any beyond its tiles empty
@@ -184,15 +191,23 @@ def choose_num_splits(
         return 1
     resident = programs_per_sm * num_sms
     if num_programs < num_sms:
-        wanted = triton.cdiv(_SPLIT_PROGRAMS_PER_SM * num_sms, num_programs)
+        # The SM with the most programs finishes last: 64 programs split 4 ways (1.94 per SM) beat 5 ways (2.4).
+        target = _SPLIT_PROGRAMS_PER_SM * num_sms
+        candidates = {max(1, target // num_programs), triton.cdiv(target, num_programs)}
+        wanted = max(sorted(candidates, reverse=True), key=lambda n: _per_sm_fill(num_programs * n, num_sms))
     elif resident < num_programs < _MIN_WAVES * resident:
         wanted = math.ceil(_MIN_WAVES * resident / num_programs)
     else:
         return 1
-    if wanted > merge_chunk:
-        wanted -= wanted % merge_chunk
-    by_length = max_seq_len // (tile_n * _SPLIT_MIN_TILES)
-    return max(1, min(wanted, by_length, _MAX_SPLITS))
+    splits = max(1, min(wanted, max_seq_len // (tile_n * _SPLIT_MIN_TILES), _MAX_SPLITS))
+    if splits > merge_chunk:
+        splits -= splits % merge_chunk
+    return splits
+
+
+def _per_sm_fill(programs: int, num_sms: int) -> float:
+    """Programs per SM over the most any SM gets: 1.0 when they spread evenly."""
+    return programs / (triton.cdiv(programs, num_sms) * num_sms)
 
 
 def paged_attention_config(
@@ -242,6 +257,14 @@ def paged_attention_config(
             num_splits = choose_num_splits(
                 programs, target.num_sms, max_seq_len, cfg.tile_n, chunk, programs_per_sm=per_sm
             )
+            # A grid split a few ways fills the GPU like a batch that needs no split: the same tile rule (see
+            # _SPLIT_GRID_MAX_SPLITS).
+            split_grid = _full_grid_tile(
+                queries_per_kv, head_padded, dtype, max_query_len, programs * num_splits, target
+            )
+            if 1 < num_splits <= _SPLIT_GRID_MAX_SPLITS and split_grid is not None:
+                tile = dict(tile_n=split_grid.tile_n, num_warps=split_grid.num_warps, num_stages=split_grid.num_stages)
+                cfg = dataclasses.replace(cfg, **tile)
     if num_splits == 1:
         return _with_short_queries(cfg, target, queries_per_kv, head_padded, dtype, max_query_len)
     if target.interpret:
