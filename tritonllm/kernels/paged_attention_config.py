@@ -59,7 +59,8 @@ class PagedAttentionConfig:
     merge_chunk: int = 4  # splits the in-launch merge reads per step ([block_m, chunk, D] fp32; power of two)
     # Split-KV: each used split walks at least this many KV tiles of its sequence, so a sequence shorter than
     # num_splits x split_min_tiles tiles uses fewer splits (decided on the device from its length: a graph planned
-    # for max_model_len gives a short sequence fewer, fuller splits and its merge fewer partials to read).
+    # for max_model_len gives a short sequence fewer, fuller splits and its merge fewer partials to read). 1: at
+    # batch 1-2 more, shorter splits measured faster on an H100 (docs/benchmarks.md, seventeenth pass).
     split_min_tiles: int = 1
     # Sequences of at most short_queries.block_q queries (the decodes of a mixed step) run in a launch of their
     # own with this decode-shaped config, one program per sequence; this config's launch skips them. Without it
