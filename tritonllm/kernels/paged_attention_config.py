@@ -250,8 +250,7 @@ def paged_attention_config(
     elif num_splits is None:
         full_grid = _full_grid_tile(queries_per_kv, head_padded, dtype, max_query_len, programs, target)
         if full_grid is not None:  # fills the GPU unsplit
-            tile = dict(tile_n=full_grid.tile_n, num_warps=full_grid.num_warps, num_stages=full_grid.num_stages)
-            cfg, num_splits = dataclasses.replace(cfg, **tile), 1
+            cfg, num_splits = _with_tile(cfg, full_grid), 1
         else:
             per_sm = _gpu_tile(head_padded, dtype, _phase(queries_per_kv, max_query_len)).programs_per_sm
             chunk = _merge_chunk(cfg, head_padded, target, programs)
@@ -264,8 +263,7 @@ def paged_attention_config(
                 queries_per_kv, head_padded, dtype, max_query_len, programs * num_splits, target
             )
             if 1 < num_splits <= _SPLIT_GRID_MAX_SPLITS and split_grid is not None:
-                tile = dict(tile_n=split_grid.tile_n, num_warps=split_grid.num_warps, num_stages=split_grid.num_stages)
-                cfg = dataclasses.replace(cfg, **tile)
+                cfg = _with_tile(cfg, split_grid)
     if num_splits == 1:
         return _with_short_queries(cfg, target, queries_per_kv, head_padded, dtype, max_query_len)
     if target.interpret:
@@ -283,6 +281,10 @@ def paged_attention_config(
             _merge_chunk(cfg, head_padded, target, programs * num_splits), triton.next_power_of_2(num_splits)
         ),
     )
+
+
+def _with_tile(cfg: PagedAttentionConfig, tile: _Tile) -> PagedAttentionConfig:
+    return dataclasses.replace(cfg, tile_n=tile.tile_n, num_warps=tile.num_warps, num_stages=tile.num_stages)
 
 
 def _merge_chunk(cfg: PagedAttentionConfig, head_padded: int, target: AttentionTarget, grid: int) -> int:
