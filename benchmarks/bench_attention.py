@@ -377,7 +377,7 @@ def run_split_sweep(s, dtype, device, copy_gbs) -> list[dict]:
                 max_query_len=1, max_seq_len=context, num_splits=n, target=_target(device),
             )  # fmt: skip
             t = time_graph_ms(case.ours(cfg), device)
-            pct = 100 * case.work / (t * 1e-3) / 1e9 / copy_gbs
+            pct = _pct_copy(case.work, t, copy_gbs)
             rows.append(dict(batch=batch, context=context, num_splits=cfg.num_splits, us=t * 1e3, pct_copy=pct))
         mine = rows[-len(SWEEP_SPLITS) :]
         log(f"splits B={batch} S={context}: " + " ".join(f"{r['num_splits']}:{r['pct_copy']:.0f}%" for r in mine))
@@ -403,9 +403,9 @@ def run_tile_sweep(s, dtype, device, copy_gbs) -> list[dict]:
             if err > MAX_DIFF:
                 log(f"WARNING: tile sweep B={batch} S={context} {name} differs from SDPA by {err:.3g}")
             t = time_graph_ms(case.ours(cfg), device)
-            row["pct_copy"][name] = 100 * case.work / (t * 1e-3) / 1e9 / copy_gbs
+            row["pct_copy"][name] = _pct_copy(case.work, t, copy_gbs)
         t = time_graph_ms(case.sdpa, device)
-        row["pct_copy"]["sdpa"] = 100 * case.work / (t * 1e-3) / 1e9 / copy_gbs
+        row["pct_copy"]["sdpa"] = _pct_copy(case.work, t, copy_gbs)
         log(
             f"tiles B={batch} S={context} plan {row['plan']}: "
             + " ".join(f"{name} {pct:.1f}%" for name, pct in row["pct_copy"].items())
@@ -415,6 +415,11 @@ def run_tile_sweep(s, dtype, device, copy_gbs) -> list[dict]:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return rows
+
+
+def _pct_copy(work: float, ms: float, copy_gbs: float) -> float:
+    """Bytes moved in `ms` milliseconds as a percentage of the copy bandwidth."""
+    return 100 * work / (ms * 1e-3) / 1e9 / copy_gbs
 
 
 def _tile_label(cfg: PagedAttentionConfig) -> str:
@@ -443,7 +448,7 @@ def run_graph_splits(s, dtype, device, copy_gbs) -> list[dict]:
                 rows.append(
                     dict(
                         batch=batch, context=context, config=label, is_default=cfg == default, us=t * 1e3,
-                        pct_copy=100 * case.work / (t * 1e-3) / 1e9 / copy_gbs, max_abs_diff=err,
+                        pct_copy=_pct_copy(case.work, t, copy_gbs), max_abs_diff=err,
                     )
                 )  # fmt: skip
         mine = [r for r in rows if (r["batch"], r["context"]) == (batch, context)]
@@ -598,7 +603,7 @@ def run_sweep(s, dtype, device, copy_gbs) -> dict:
                     tile=tile,
                     num_splits=cfg.num_splits,
                     us=t * 1e3,
-                    pct_copy=100 * case.work / (t * 1e-3) / 1e9 / copy_gbs,
+                    pct_copy=_pct_copy(case.work, t, copy_gbs),
                     max_abs_diff=err,
                     is_default=cfg is base,
                 )

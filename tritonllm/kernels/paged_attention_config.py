@@ -257,13 +257,13 @@ def paged_attention_config(
             num_splits = choose_num_splits(
                 programs, target.num_sms, max_seq_len, cfg.tile_n, chunk, programs_per_sm=per_sm
             )
-            # A grid split a few ways fills the GPU like a batch that needs no split: the same tile rule (see
-            # _SPLIT_GRID_MAX_SPLITS).
-            split_grid = _full_grid_tile(
-                queries_per_kv, head_padded, dtype, max_query_len, programs * num_splits, target
-            )
-            if 1 < num_splits <= _SPLIT_GRID_MAX_SPLITS and split_grid is not None:
-                cfg = _with_tile(cfg, split_grid)
+            if 1 < num_splits <= _SPLIT_GRID_MAX_SPLITS:
+                # A grid split a few ways fills the GPU like a batch that needs no split: the same tile rule.
+                split_grid = _full_grid_tile(
+                    queries_per_kv, head_padded, dtype, max_query_len, programs * num_splits, target
+                )
+                if split_grid is not None:
+                    cfg = _with_tile(cfg, split_grid)
     if num_splits == 1:
         return _with_short_queries(cfg, target, queries_per_kv, head_padded, dtype, max_query_len)
     if target.interpret:
@@ -307,10 +307,9 @@ def decode_tiles(head_size: int, dtype: torch.dtype) -> dict[str, tuple[int, int
     """The GPU table's decode tiles for this head size, by entry name: (tile_n, num_warps, num_stages). For
     benchmarks that force each tile on a grid the plan would give one of them."""
     head_padded = max(64, triton.next_power_of_2(head_size))
-    table = _HOPPER_FP32 if dtype == torch.float32 else _HOPPER_16BIT
     return {
         phase: (tile.tile_n, tile.num_warps, tile.num_stages)
-        for (size, phase), tile in table.items()
+        for (size, phase), tile in _gpu_table(dtype).items()
         if size == head_padded and phase.startswith("decode")
     }
 
@@ -319,9 +318,12 @@ def _phase(queries_per_kv: int, max_query_len: int) -> str:
     return "decode" if max_query_len * queries_per_kv <= _DECODE_ROWS else "prefill"
 
 
+def _gpu_table(dtype: torch.dtype) -> dict[tuple[int, str], _Tile]:
+    return _HOPPER_FP32 if dtype == torch.float32 else _HOPPER_16BIT
+
+
 def _gpu_tile(head_padded: int, dtype: torch.dtype, phase: str) -> _Tile | None:
-    table = _HOPPER_FP32 if dtype == torch.float32 else _HOPPER_16BIT
-    return table.get((max(64, head_padded), phase))
+    return _gpu_table(dtype).get((max(64, head_padded), phase))
 
 
 def _full_grid_tile(
