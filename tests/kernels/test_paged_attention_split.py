@@ -30,6 +30,7 @@ from tritonllm.kernels.paged_attention_config import (
     choose_num_splits,
     current_target,
     decode_tiles,
+    merge_rows,
     paged_attention_config,
 )
 from tritonllm.kernels.paged_attention_split import merge_attention_partials, merge_attention_partials_ref
@@ -95,20 +96,40 @@ def test_forced_split_matches_reference(
 @settings(max_examples=6)
 @given(
     num_splits=st.sampled_from([5, 8, 13]),
+    chunk=st.sampled_from([1, 2, 4]),
     extra=st.lists(st.integers(0, 40), min_size=1, max_size=3),
     layout=small_layouts,
     dtype=dtypes,
     target=targets,
     seed=seeds(),
 )
-def test_in_launch_merge_over_more_splits_than_one_read(num_splits, extra, layout, dtype, target, seed):
+def test_in_launch_merge_over_more_splits_than_one_read(num_splits, chunk, extra, layout, dtype, target, seed):
     # Every split holds keys (16-key tiles, at least one per split), and there are more splits than the in-launch
     # merge reads at a time: both merges must weigh every split.
     b = make_batch([(16 * num_splits + e, 1) for e in extra], *layout, 64, 16, dtype, seed)
-    cfg = dataclasses.replace(plan(b, target or current_target(), None, num_splits), tile_n=16)
+    cfg = dataclasses.replace(plan(b, target or current_target(), None, num_splits), tile_n=16, merge_chunk=chunk)
     outs = [run(b, config=dataclasses.replace(cfg, merge_in_launch=fused)) for fused in (True, False)]
     assert_close(outs[0], reference(b), dtype=dtype)
     assert_close(outs[0], outs[1], dtype=dtype)
+
+
+@settings(max_examples=6)
+@given(
+    query_lens=st.lists(st.integers(1, 4), min_size=1, max_size=3),
+    layout=st.sampled_from([(2, 4), (1, 5), (1, 2), (2, 1)]),
+    num_splits=st.sampled_from([2, 3, 8]),
+    dtype=dtypes,
+    seed=seeds(),
+)
+def test_in_launch_merge_of_tiles_with_several_tokens(query_lens, layout, num_splits, dtype, seed):
+    # Speculative decode: a tile holds up to block_q tokens' GQA groups, and the merge takes one token's heads (a
+    # power of two rows) at a time, so its row groups cross tokens when the group is not a power of two (5 heads).
+    b = make_batch([(60 + 7 * i, q) for i, q in enumerate(query_lens)], *layout, 64, 16, dtype, seed)
+    cfg = dataclasses.replace(plan(b, HOPPER_H200, None, num_splits), tile_n=16, merge_in_launch=True)
+    assert cfg.block_q >= max(query_lens) and merge_rows(cfg, layout[1]) < cfg.block_m
+    out = run(b, config=cfg)
+    assert_close(out, reference(b), dtype=dtype)
+    assert all(int(c.abs().sum()) == 0 for c in _COUNTERS.values())
 
 
 @settings(max_examples=6)

@@ -253,7 +253,7 @@ def paged_attention_config(
             cfg, num_splits = _with_tile(cfg, full_grid), 1
         else:
             per_sm = _gpu_tile(head_padded, dtype, _phase(queries_per_kv, max_query_len)).programs_per_sm
-            chunk = _merge_chunk(cfg, head_padded, target, programs)
+            chunk = _merge_chunk(cfg, queries_per_kv, head_padded, target, programs)
             num_splits = choose_num_splits(
                 programs, target.num_sms, max_seq_len, cfg.tile_n, chunk, programs_per_sm=per_sm
             )
@@ -278,7 +278,8 @@ def paged_attention_config(
         merge_heads_per_program=merge_heads,
         merge_in_launch=num_splits <= _MERGE_IN_LAUNCH_MAX_SPLITS,
         merge_chunk=min(
-            _merge_chunk(cfg, head_padded, target, programs * num_splits), triton.next_power_of_2(num_splits)
+            _merge_chunk(cfg, queries_per_kv, head_padded, target, programs * num_splits),
+            triton.next_power_of_2(num_splits),
         ),
     )
 
@@ -287,8 +288,15 @@ def _with_tile(cfg: PagedAttentionConfig, tile: _Tile) -> PagedAttentionConfig:
     return dataclasses.replace(cfg, tile_n=tile.tile_n, num_warps=tile.num_warps, num_stages=tile.num_stages)
 
 
-def _merge_chunk(cfg: PagedAttentionConfig, head_padded: int, target: AttentionTarget, grid: int) -> int:
-    """Splits the in-launch merge of a `grid`-program launch reads at a time, a power of two: [block_m, chunk,
+def merge_rows(cfg: PagedAttentionConfig, queries_per_kv: int) -> int:
+    """Rows the in-launch merge takes at a time: one query token's heads (a power of two), at most the tile."""
+    return min(cfg.block_m, triton.next_power_of_2(cfg.kv_heads_per_program * queries_per_kv))
+
+
+def _merge_chunk(
+    cfg: PagedAttentionConfig, queries_per_kv: int, head_padded: int, target: AttentionTarget, grid: int
+) -> int:
+    """Splits the in-launch merge of a `grid`-program launch reads at a time, a power of two: [merge_rows, chunk,
     columns] fp32 in _MERGE_REGISTERS registers a thread on a GPU (_MERGE_REGISTERS_FULL_GRID past
     _SPLIT_PROGRAMS_PER_SM programs per SM); under the interpreter (whose cost is per op, not per element) as many
     as Triton's largest tile (2^20 elements) holds."""
@@ -299,7 +307,7 @@ def _merge_chunk(cfg: PagedAttentionConfig, head_padded: int, target: AttentionT
     else:
         elements = _MERGE_REGISTERS * 32 * cfg.num_warps
     columns = triton.next_power_of_2(cfg.kv_heads_per_program) * head_padded
-    chunk = elements // (cfg.block_m * columns)
+    chunk = elements // (merge_rows(cfg, queries_per_kv) * columns)
     return max(1, triton.next_power_of_2(chunk + 1) // 2)
 
 
