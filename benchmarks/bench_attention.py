@@ -71,11 +71,11 @@ GRAPH_CONTEXTS = (256, 512, 1024, 4096)
 GRAPH_SPLITS = (1, 4, 8, 16, 32)
 # Decode as a model step runs it (--chain): one CUDA graph calls attention once per layer, each layer over its own
 # K/V (all layers together past L2), replayed back to back, so each call pays the gaps between kernels of a step
-# but no graph launch of its own. Forced split counts x merge (in the launch, 8 or 32 splits a step; a merge launch).
+# but no graph launch of its own. Forced split counts x merge (in the launch, 4 or 8 splits a step; a merge launch).
 CHAIN_BATCHES = (1, 2, 4, 8)
 CHAIN_CONTEXTS = (1024, 4096, 8192, 16384, 32768)
 CHAIN_SPLITS = (8, 16, 32, 64)
-CHAIN_MERGES = (("in launch x8", True, 8), ("in launch x32", True, 32), ("merge launch", False, 4))
+CHAIN_MERGES = (("in launch x4", True, 4), ("in launch x8", True, 8), ("merge launch", False, 4))
 CHAIN_TILES = ((32, 4), (64, 4), (64, 5), (128, 4), (128, 5))  # (tile_n, stages) tried at batch 1
 CHAIN_SPLIT_MIN_TILES = (1, 2, 4, 8)  # the default plan with each split walking at least this many KV tiles
 MAX_DIFF = 0.05  # bf16 outputs of unit-variance attention: a larger gap to SDPA means a wrong result

@@ -20,6 +20,7 @@ from tests.kernels.test_paged_attention import (
 )
 from tritonllm.kernels.arrival_counters import _COUNTERS
 from tritonllm.kernels.paged_attention_config import (
+    _FEW_PROGRAMS_SPLITS,
     _MAX_SPLITS,
     _MIN_WAVES,
     _SPLIT_MIN_TILES,
@@ -30,7 +31,6 @@ from tritonllm.kernels.paged_attention_config import (
     choose_num_splits,
     current_target,
     decode_tiles,
-    merge_rows,
     paged_attention_config,
 )
 from tritonllm.kernels.paged_attention_split import merge_attention_partials, merge_attention_partials_ref
@@ -122,11 +122,11 @@ def test_in_launch_merge_over_more_splits_than_one_read(num_splits, chunk, extra
     seed=seeds(),
 )
 def test_in_launch_merge_of_tiles_with_several_tokens(query_lens, layout, num_splits, dtype, seed):
-    # Speculative decode: a tile holds up to block_q tokens' GQA groups, and the merge takes one token's heads (a
-    # power of two rows) at a time, so its row groups cross tokens when the group is not a power of two (5 heads).
+    # Speculative decode: a tile holds up to block_q tokens' GQA groups (5 heads: groups that are not a power of
+    # two), all merged by the tile's last split program.
     b = make_batch([(60 + 7 * i, q) for i, q in enumerate(query_lens)], *layout, 64, 16, dtype, seed)
     cfg = dataclasses.replace(plan(b, HOPPER_H200, None, num_splits), tile_n=16, merge_in_launch=True)
-    assert cfg.block_q >= max(query_lens) and merge_rows(cfg, layout[1]) < cfg.block_m
+    assert cfg.block_q >= max(query_lens) and cfg.num_splits == num_splits
     out = run(b, config=cfg)
     assert_close(out, reference(b), dtype=dtype)
     assert all(int(c.abs().sum()) == 0 for c in _COUNTERS.values())
@@ -251,6 +251,12 @@ def test_num_splits_heuristic(num_programs, num_sms, max_seq_len, tile_n, chunk,
     n = choose_num_splits(num_programs, num_sms, max_seq_len, tile_n, chunk, programs_per_sm=per_sm)
     assert 1 <= n <= _MAX_SPLITS
     resident = per_sm * num_sms
+    # Longer contexts never ask for fewer splits.
+    assert choose_num_splits(num_programs, num_sms, 2 * max_seq_len, tile_n, chunk, programs_per_sm=per_sm) >= n
+    if num_programs * _FEW_PROGRAMS_SPLITS <= resident:
+        # So few programs that the fixed split count fits in one wave: that count, as far as the length allows.
+        assert n == max(1, min(_FEW_PROGRAMS_SPLITS, max_seq_len // (tile_n * _SPLIT_MIN_TILES)))
+        return
     if num_sms <= num_programs <= resident or num_programs >= _MIN_WAVES * resident:
         assert n == 1  # one wave that fills the GPU, or enough waves that the last one matters little
     # What the grid asks for: 2 programs per SM, or past _MIN_WAVES waves of resident programs.
@@ -272,15 +278,14 @@ def test_num_splits_heuristic(num_programs, num_sms, max_seq_len, tile_n, chunk,
 
         other = n - 1 if num_programs * n >= wanted else n + 1
         assert most_per_sm(n) <= most_per_sm(other)
-    # Longer contexts never ask for fewer splits.
-    assert choose_num_splits(num_programs, num_sms, 2 * max_seq_len, tile_n, chunk, programs_per_sm=per_sm) >= n
 
 
 # (target, batch, KV tile, splits) for Llama-3 8B's attention (32 / 8 heads of 128, 8 programs a sequence) decoding
 # 4k contexts on 132 SMs. H100 rows: the fastest of the 16-, 32- and 64-key tiles and of splitting where measured
 # (docs/benchmarks.md); H200 rows: measured at batch 32 and 64, the rest what the rule predicts from the bandwidth.
 FULL_GRID_TILES = [
-    (HOPPER_H100, 1, 64, 32),  # 8 programs: 32 splits of a few tiles each keep the tile batch 1 was tuned with
+    (HOPPER_H100, 1, 64, 16),  # 8 programs: 16 splits (one wave), the tile batch 1 was tuned with
+    (HOPPER_H100, 3, 64, 16),  # 24 programs x 16 = 384: still within a wave of 3 per SM
     (HOPPER_H100, 4, 32, 8),  # 32 programs x 8 splits: 1.94 per SM, the 32-key tile as for an unsplit batch 32
     (HOPPER_H100, 8, 32, 4),  # 64 programs: 4 splits spread evenly (1.94 per SM); 5 would leave SMs with 3 and 2
     (HOPPER_H200, 8, 64, 4),  # the same grid at 4.8 TB/s: too few reads in flight for the 32-key tile
@@ -309,6 +314,8 @@ def test_full_grid_decode_tiles(target, num_seqs, tile_n, num_splits):
     )  # fmt: skip
     assert (cfg.tile_n, cfg.num_splits) == (tile_n, num_splits)
     assert cfg.num_warps == (2 if tile_n == 16 else 4)
+    # Batch 1-3 merge in a launch of their own; larger split grids merge in the attention launch.
+    assert cfg.num_splits == 1 or cfg.merge_in_launch == (num_seqs > 3)
 
 
 @pytest.mark.parametrize("target", [HOPPER_H100, HOPPER_H200])

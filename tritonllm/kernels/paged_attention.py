@@ -32,7 +32,6 @@ from tritonllm.kernels.paged_attention_config import (
     PagedAttentionConfig,
     check_config,
     current_target,
-    merge_rows,
     paged_attention_config,
 )
 from tritonllm.kernels.paged_attention_split import merge_attention_partials, merge_splits_in_launch
@@ -106,7 +105,6 @@ def _paged_attention_kernel(
     SPLIT_KV: tl.constexpr,
     MERGE_IN_LAUNCH: tl.constexpr,
     MERGE_SPLITS_PADDED: tl.constexpr,
-    MERGE_ROWS: tl.constexpr,
     MERGE_CHUNK: tl.constexpr,
     SPLIT_MIN_TILES: tl.constexpr,
     SLIDING_WINDOW: tl.constexpr,
@@ -146,7 +144,6 @@ def _paged_attention_kernel(
 
     # Column c: element c % HEAD_SIZE_PADDED of KV head kv_head0 + c // HEAD_SIZE_PADDED.
     offs_c = tl.arange(0, KV_HEADS_PADDED * HEAD_SIZE_PADDED).to(IDX)
-    col_head = offs_c // HEAD_SIZE_PADDED  # relative to kv_head0: 0 when KV_HEADS == 1
     if KV_HEADS == 1:
         offs_d = offs_c
         col_valid = offs_c < HEAD_SIZE
@@ -154,6 +151,7 @@ def _paged_attention_kernel(
         v_cols = kv_head0 * stride_vc_head + offs_c
         own = row_valid[:, None] & col_valid[None, :]
     else:
+        col_head = offs_c // HEAD_SIZE_PADDED
         offs_d = offs_c % HEAD_SIZE_PADDED
         col_valid = (offs_d < HEAD_SIZE) & (col_head < KV_HEADS)
         k_cols = (kv_head0 + col_head) * stride_kc_head + offs_d
@@ -237,13 +235,10 @@ def _paged_attention_kernel(
         tl.store(part_lse_ptr + token * stride_pl_t + q_head * stride_pl_h + split, lse, mask=row_valid)
         if MERGE_IN_LAUNCH:
             # One counter per (sequence, KV head program): split-KV runs one query tile per sequence.
-            tile_tokens = tl.minimum(query_len - local_tile * BLOCK_Q, BLOCK_Q)
             merge_splits_in_launch(
                 out_ptr, part_out_ptr, part_lse_ptr, counters_ptr + seq * tl.num_programs(1) + tl.program_id(1),
-                (q_start + local_tile * BLOCK_Q).to(tl.int64), kv_head0 * QUERIES_PER_KV,
-                tile_tokens * KV_HEADS * QUERIES_PER_KV, offs_d, col_valid, col_head, used_splits, stride_out_t,
-                stride_out_h, stride_po_t, stride_po_h, stride_po_s, stride_pl_t, stride_pl_h,
-                KV_HEADS * QUERIES_PER_KV, QUERIES_PER_KV, KV_HEADS, MERGE_ROWS, MERGE_SPLITS_PADDED, MERGE_CHUNK,
+                token, q_head, offs_d, row_valid, own, used_splits, stride_out_t, stride_out_h, stride_po_t,
+                stride_po_h, stride_po_s, stride_pl_t, stride_pl_h, MERGE_SPLITS_PADDED, MERGE_CHUNK,
             )  # fmt: skip
     else:
         out_offs = token[:, None] * stride_out_t + q_head[:, None] * stride_out_h + offs_d[None, :]
@@ -402,7 +397,6 @@ def _launch(
         SPLIT_KV=split,
         MERGE_IN_LAUNCH=merge_in_launch,
         MERGE_SPLITS_PADDED=triton.next_power_of_2(cfg.num_splits),
-        MERGE_ROWS=merge_rows(cfg, num_heads // num_kv_heads),
         MERGE_CHUNK=min(cfg.merge_chunk, triton.next_power_of_2(cfg.num_splits)),
         SPLIT_MIN_TILES=cfg.split_min_tiles,
         SLIDING_WINDOW=sliding_window or 0,

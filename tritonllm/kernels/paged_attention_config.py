@@ -152,16 +152,26 @@ _MIN_WAVES = 1.9
 # A decode grid split at most this many ways picks its tile by the rule of grids that need no split
 # (`_full_grid_tile`, on the split grid's program count). H100, per layer inside a step's graph, % of copy
 # bandwidth at 4k / 16k: batch 8 split 4 ways on the 32-key tile 83.9 / 95.1 against 77.0 / 88.9 for 5 ways on
-# the 64-key one (the plan before); batch 4, 8 ways, 75.4 / 91.2 against 72.2 / 90.4. Batch 1-2 (16-32 ways, a
-# few KV tiles per split, bound by each program's chain of dependent loads) keep the tile they were tuned with.
+# the 64-key one (the plan before); batch 4, 8 ways, 75.4 / 91.2 against 72.2 / 90.4. Batch 1-3 (16 ways, below)
+# keep the tile they were tuned with.
 _SPLIT_GRID_MAX_SPLITS = 8
+# A decode grid so small that _FEW_PROGRAMS_SPLITS splits of it fit in one wave of resident programs (batch 1-3 at
+# 8 KV heads on 132 SMs) is bound by each program's chain of dependent round trips (block table, K/V, partials),
+# not by how evenly its programs fill the SMs: it splits _FEW_PROGRAMS_SPLITS ways and merges in a launch of its
+# own, whose programs read the partials in parallel. H100, head 128, per layer inside a step's graph
+# (`bench_attention.py --chain --chain-match "splits, "`), 1k / 4k / 16k, us: batch 1 8.41 / 14.52 / 33.21 (32
+# splits merged in the launch, the plan before) -> 7.21 / 13.63 / 30.36 (SDPA 7.25 / 13.14 / 30.66); batch 2 10.51 /
+# 19.57 / 54.67 (16 in the launch) -> 9.22 / 18.45 / 53.21; batch 3 12.13 / 26.22 / 79.77 (8 in the launch) -> 10.94
+# / 25.90 / 78.22. Batch 4 (512 programs at 16 splits, more than a wave) lost 10-16% with it.
+_FEW_PROGRAMS_SPLITS = 16
 # The last split program of a tile merges in the launch up to this many splits, reading the partials a chunk of
 # splits at a time ([block_m, chunk, D] fp32 in _MERGE_REGISTERS registers a thread: 8 splits at 16 rows x 128);
 # more splits go to a merge launch, whose programs read them all in parallel. More splits than a whole number of
 # chunks round down to one (33 -> 32): the extra split costs a whole merge step. H200, head 128, batch 1-8,
 # per layer inside a step's graph (`bench_attention.py --chain`): 8-split chunks in the launch beat 4-split
 # chunks by 3-25% and the merge launch at 8-32 splits by up to 9% (batch 1 at 1k-32k: 32 splits 9.3-41.2 us
-# against 10.2-42.4); at 64 splits the merge launch wins. The wide chunk costs the kernel its third resident
+# against 10.2-42.4); at 64 splits the merge launch wins. (On an H100, with programmatic dependent launch, the
+# merge launch won at batch 1-3: _FEW_PROGRAMS_SPLITS above.) The wide chunk costs the kernel its third resident
 # program per SM (Triton 3.6, sm_90: 192 registers a thread instead of 167), so a grid of more than
 # _SPLIT_PROGRAMS_PER_SM programs per SM merges with half of it (batch 8, 5 splits = 320 programs: 45 -> 59 us at
 # 4k with the wide one).
@@ -181,16 +191,20 @@ def choose_num_splits(
 ) -> int:
     """KV splits per sequence for a launch of `num_programs` = num_seqs * num_kv_heads unsplit programs.
 
-    Split while the grid is short of _SPLIT_PROGRAMS_PER_SM programs per SM (to the split count on either side
-    of that whose programs spread most evenly over the SMs, the larger on ties), or when it is between one and
-    _MIN_WAVES waves of resident programs (`programs_per_sm` per SM; see above), past `merge_chunk` splits only in
-    whole chunks; never into splits shorter than _SPLIT_MIN_TILES KV tiles of the longest sequence. A sequence
-    shorter than max_seq_len cuts its own range into the same number of splits, leaving any beyond its tiles empty
-    (a launch slot, not a read): what a CUDA graph captured at max_model_len replays.
+    A grid small enough that _FEW_PROGRAMS_SPLITS splits of it fit in one wave of resident programs
+    (`programs_per_sm` per SM) takes that many; its merge is a launch of its own (see above). Otherwise split while
+    the grid is short of _SPLIT_PROGRAMS_PER_SM programs per SM (to the split count on either side of that whose
+    programs spread most evenly over the SMs, the larger on ties), or when it is between one and _MIN_WAVES waves
+    of resident programs (see above), past `merge_chunk` splits only in whole chunks; never into splits shorter
+    than _SPLIT_MIN_TILES KV tiles of the longest sequence. A sequence shorter than max_seq_len cuts its own range
+    into the same number of splits, leaving any beyond its tiles empty (a launch slot, not a read): what a CUDA
+    graph captured at max_model_len replays.
     """
     if num_programs <= 0:
         return 1
     resident = programs_per_sm * num_sms
+    if _few_programs(num_programs, num_sms, programs_per_sm):
+        return max(1, min(_FEW_PROGRAMS_SPLITS, max_seq_len // (tile_n * _SPLIT_MIN_TILES)))
     if num_programs < num_sms:
         # The SM with the most programs finishes last: 64 programs split 4 ways (1.94 per SM) beat 5 ways (2.4).
         target = _SPLIT_PROGRAMS_PER_SM * num_sms
@@ -204,6 +218,11 @@ def choose_num_splits(
     if splits > merge_chunk:
         splits -= splits % merge_chunk
     return splits
+
+
+def _few_programs(num_programs: int, num_sms: int, programs_per_sm: int) -> bool:
+    """Whether a decode grid is small enough that _FEW_PROGRAMS_SPLITS splits of it fit in one wave."""
+    return num_programs * _FEW_PROGRAMS_SPLITS <= programs_per_sm * num_sms
 
 
 def _per_sm_fill(programs: int, num_sms: int) -> float:
@@ -245,6 +264,11 @@ def paged_attention_config(
         # Query tiles of one sequence cannot share partial buffers: no split-KV.
         return _with_short_queries(cfg, target, queries_per_kv, head_padded, dtype, max_query_len)
     programs = num_seqs * triton.cdiv(num_kv_heads, cfg.kv_heads_per_program)  # unsplit
+    if target.interpret:
+        per_sm, few = 1, False
+    else:
+        per_sm = _gpu_tile(head_padded, dtype, _phase(queries_per_kv, max_query_len)).programs_per_sm
+        few = _few_programs(programs, target.num_sms, per_sm)
     if num_splits is None and target.interpret:
         num_splits = 1
     elif num_splits is None:
@@ -252,8 +276,7 @@ def paged_attention_config(
         if full_grid is not None:  # fills the GPU unsplit
             cfg, num_splits = _with_tile(cfg, full_grid), 1
         else:
-            per_sm = _gpu_tile(head_padded, dtype, _phase(queries_per_kv, max_query_len)).programs_per_sm
-            chunk = _merge_chunk(cfg, queries_per_kv, head_padded, target, programs)
+            chunk = _merge_chunk(cfg, head_padded, target, programs)
             num_splits = choose_num_splits(
                 programs, target.num_sms, max_seq_len, cfg.tile_n, chunk, programs_per_sm=per_sm
             )
@@ -276,10 +299,9 @@ def paged_attention_config(
         cfg,
         num_splits=num_splits,
         merge_heads_per_program=merge_heads,
-        merge_in_launch=num_splits <= _MERGE_IN_LAUNCH_MAX_SPLITS,
+        merge_in_launch=num_splits <= _MERGE_IN_LAUNCH_MAX_SPLITS and not few,
         merge_chunk=min(
-            _merge_chunk(cfg, queries_per_kv, head_padded, target, programs * num_splits),
-            triton.next_power_of_2(num_splits),
+            _merge_chunk(cfg, head_padded, target, programs * num_splits), triton.next_power_of_2(num_splits)
         ),
     )
 
@@ -288,15 +310,8 @@ def _with_tile(cfg: PagedAttentionConfig, tile: _Tile) -> PagedAttentionConfig:
     return dataclasses.replace(cfg, tile_n=tile.tile_n, num_warps=tile.num_warps, num_stages=tile.num_stages)
 
 
-def merge_rows(cfg: PagedAttentionConfig, queries_per_kv: int) -> int:
-    """Rows the in-launch merge takes at a time: one query token's heads (a power of two), at most the tile."""
-    return min(cfg.block_m, triton.next_power_of_2(cfg.kv_heads_per_program * queries_per_kv))
-
-
-def _merge_chunk(
-    cfg: PagedAttentionConfig, queries_per_kv: int, head_padded: int, target: AttentionTarget, grid: int
-) -> int:
-    """Splits the in-launch merge of a `grid`-program launch reads at a time, a power of two: [merge_rows, chunk,
+def _merge_chunk(cfg: PagedAttentionConfig, head_padded: int, target: AttentionTarget, grid: int) -> int:
+    """Splits the in-launch merge of a `grid`-program launch reads at a time, a power of two: [block_m, chunk,
     columns] fp32 in _MERGE_REGISTERS registers a thread on a GPU (_MERGE_REGISTERS_FULL_GRID past
     _SPLIT_PROGRAMS_PER_SM programs per SM); under the interpreter (whose cost is per op, not per element) as many
     as Triton's largest tile (2^20 elements) holds."""
@@ -307,7 +322,7 @@ def _merge_chunk(
     else:
         elements = _MERGE_REGISTERS * 32 * cfg.num_warps
     columns = triton.next_power_of_2(cfg.kv_heads_per_program) * head_padded
-    chunk = elements // (merge_rows(cfg, queries_per_kv) * columns)
+    chunk = elements // (cfg.block_m * columns)
     return max(1, triton.next_power_of_2(chunk + 1) // 2)
 
 

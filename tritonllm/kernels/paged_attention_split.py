@@ -81,12 +81,11 @@ def merge_splits_in_launch(
     part_out_ptr,
     part_lse_ptr,
     counter_ptr,
-    token0,
-    head0,
-    valid_rows,
+    token,
+    q_head,
     offs_d,
-    col_valid,
-    col_head,
+    row_valid,
+    own,
     num_splits,
     stride_out_t,
     stride_out_h,
@@ -95,58 +94,40 @@ def merge_splits_in_launch(
     stride_po_s,
     stride_pl_t,
     stride_pl_h,
-    ROWS_PER_TOKEN: tl.constexpr,
-    QUERIES_PER_KV: tl.constexpr,
-    KV_HEADS: tl.constexpr,
-    MERGE_ROWS: tl.constexpr,
     SPLITS_PADDED: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
     """Called by each split program of one tile after storing its partials: the last to arrive (counted at
     `counter_ptr`, acq_rel at GPU scope after a CTA barrier, so every thread's stores precede the count) merges the
     tile's rows and sets the counter back to 0. Partials are read with .cg: from L2, past the SM's non-coherent L1,
-    where the other programs' stores are.
-
-    The tile's rows are token-major (row r: token token0 + r // ROWS_PER_TOKEN, head head0 + r % ROWS_PER_TOKEN)
-    and its valid rows a prefix, `valid_rows` long. They merge MERGE_ROWS at a time, so a decode tile (one token's
-    GQA group in a 16-row MMA tile) holds only that group's partials in registers, and its CHUNK splits a step can
-    be all of them: the merge waits on one round trip to L2, not one per chunk. `col_head` (KV_HEADS > 1, the
-    interpreter): the KV head of each column; a row owns the columns of its own KV head."""
+    where the other programs' stores are. All splits' LSEs load at once; outputs CHUNK splits at a time, so a
+    merge of many splits waits on a few round trips to L2, not one per split."""
     tl.debug_barrier()
     arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
     if arrived == num_splits - 1:
+        lse_rows = part_lse_ptr + token * stride_pl_t + q_head * stride_pl_h  # [BLOCK_M] row starts
         offs_s = tl.arange(0, SPLITS_PADDED)
+        lse_mask = row_valid[:, None] & (offs_s[None, :] < num_splits)
+        lse = tl.load(lse_rows[:, None] + offs_s[None, :], mask=lse_mask, other=float("-inf"), cache_modifier=".cg")
+        lse_max = tl.max(lse, axis=1)
+        lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # no visible key at all: weights 0, output 0
+        den = tl.sum(tl.exp2((lse - lse_max[:, None]) * 1.4426950408889634), axis=1)
+
         offs_c = tl.arange(0, CHUNK)
-        for r0 in range(0, valid_rows, MERGE_ROWS):
-            rows = r0 + tl.arange(0, MERGE_ROWS)
-            row_valid = rows < valid_rows
-            token = token0 + rows // ROWS_PER_TOKEN
-            q_head = head0 + rows % ROWS_PER_TOKEN
-            own = row_valid[:, None] & col_valid[None, :]
-            if KV_HEADS > 1:
-                own = own & (col_head[None, :] == ((rows % ROWS_PER_TOKEN) // QUERIES_PER_KV)[:, None])
-
-            lse_rows = part_lse_ptr + token * stride_pl_t + q_head * stride_pl_h  # [MERGE_ROWS] row starts
-            lse_mask = row_valid[:, None] & (offs_s[None, :] < num_splits)
-            lse = tl.load(lse_rows[:, None] + offs_s[None, :], mask=lse_mask, other=float("-inf"), cache_modifier=".cg")
-            lse_max = tl.max(lse, axis=1)
-            lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # no visible key at all: weights 0, output 0
-            den = tl.sum(tl.exp2((lse - lse_max[:, None]) * 1.4426950408889634), axis=1)
-
-            po_rows = part_out_ptr + token * stride_po_t + q_head * stride_po_h  # [MERGE_ROWS]
-            acc = tl.zeros([MERGE_ROWS, offs_d.shape[0]], dtype=tl.float32)
-            for s0 in range(0, num_splits, CHUNK):
-                in_range = (s0 + offs_c) < num_splits  # [CHUNK]
-                w_mask = row_valid[:, None] & in_range[None, :]
-                lse_c = tl.load(lse_rows[:, None] + s0 + offs_c[None, :], mask=w_mask, other=float("-inf"),
-                                cache_modifier=".cg")  # fmt: skip
-                w = tl.exp2((lse_c - lse_max[:, None]) * 1.4426950408889634)  # [MERGE_ROWS, CHUNK]
-                o_ptrs = po_rows[:, None, None] + (s0 + offs_c)[None, :, None] * stride_po_s + offs_d[None, None, :]
-                o = tl.load(o_ptrs, mask=own[:, None, :] & in_range[None, :, None], other=0.0, cache_modifier=".cg")
-                acc += tl.sum(w[:, :, None] * o, axis=1)
-            merged = acc / tl.where(den == 0.0, 1.0, den)[:, None]
-            out_offs = token[:, None] * stride_out_t + q_head[:, None] * stride_out_h + offs_d[None, :]
-            tl.store(out_ptr + out_offs, merged.to(out_ptr.dtype.element_ty), mask=own)
+        po_rows = part_out_ptr + token * stride_po_t + q_head * stride_po_h  # [BLOCK_M]
+        acc = tl.zeros(own.shape, dtype=tl.float32)
+        for s0 in range(0, num_splits, CHUNK):
+            in_range = (s0 + offs_c) < num_splits  # [CHUNK]
+            w_mask = row_valid[:, None] & in_range[None, :]
+            lse_c = tl.load(lse_rows[:, None] + s0 + offs_c[None, :], mask=w_mask, other=float("-inf"),
+                            cache_modifier=".cg")  # fmt: skip
+            w = tl.exp2((lse_c - lse_max[:, None]) * 1.4426950408889634)  # [BLOCK_M, CHUNK]
+            o_ptrs = po_rows[:, None, None] + (s0 + offs_c)[None, :, None] * stride_po_s + offs_d[None, None, :]
+            o = tl.load(o_ptrs, mask=own[:, None, :] & in_range[None, :, None], other=0.0, cache_modifier=".cg")
+            acc += tl.sum(w[:, :, None] * o, axis=1)
+        merged = acc / tl.where(den == 0.0, 1.0, den)[:, None]
+        out_offs = token[:, None] * stride_out_t + q_head[:, None] * stride_out_h + offs_d[None, :]
+        tl.store(out_ptr + out_offs, merged.to(out_ptr.dtype.element_ty), mask=own)
         tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
 
 
