@@ -74,7 +74,7 @@ GRAPH_SPLITS = (1, 4, 8, 16, 32)
 # but no graph launch of its own. Forced split counts x merge (in the launch, 4 or 8 splits a step; a merge launch).
 CHAIN_BATCHES = (1, 2, 4, 8)
 CHAIN_CONTEXTS = (1024, 4096, 8192, 16384, 32768)
-CHAIN_SPLITS = (8, 16, 32, 64)
+CHAIN_SPLITS = (1, 2, 4, 8, 16, 32, 64)
 CHAIN_MERGES = (("in launch x4", True, 4), ("in launch x8", True, 8), ("merge launch", False, 4))
 CHAIN_TILES = ((32, 4), (64, 4), (64, 5), (128, 4), (128, 5))  # (tile_n, stages) tried at batch 1
 CHAIN_SPLIT_MIN_TILES = (1, 2, 4, 8)  # the default plan with each split walking at least this many KV tiles
@@ -472,7 +472,10 @@ def _chain_configs(batch: int, context: int, s: Shapes, dtype, device) -> dict[s
         cfg = dataclasses.replace(
             paged_attention_config(**plan, num_splits=n), merge_in_launch=in_launch, merge_chunk=chunk
         )
-        configs.setdefault(f"{cfg.num_splits} splits, {merge}", cfg)
+        if cfg.num_splits == 1:  # nothing to merge (--chain-match "split" takes it with the split counts)
+            configs.setdefault("1 split, no merge", cfg)
+        else:
+            configs.setdefault(f"{cfg.num_splits} splits, {merge}", cfg)
     if batch == 1:
         for (tile_n, stages), (merge, in_launch, chunk) in itertools.product(CHAIN_TILES, CHAIN_MERGES):
             cfg = dataclasses.replace(
