@@ -203,9 +203,10 @@ def choose_num_splits(
     if num_programs <= 0:
         return 1
     resident = programs_per_sm * num_sms
-    if _few_programs(num_programs, num_sms, programs_per_sm):
-        return max(1, min(_FEW_PROGRAMS_SPLITS, max_seq_len // (tile_n * _SPLIT_MIN_TILES)))
-    if num_programs < num_sms:
+    few = _few_programs(num_programs, num_sms, programs_per_sm)
+    if few:
+        wanted = _FEW_PROGRAMS_SPLITS
+    elif num_programs < num_sms:
         # The SM with the most programs finishes last: 64 programs split 4 ways (1.94 per SM) beat 5 ways (2.4).
         target = _SPLIT_PROGRAMS_PER_SM * num_sms
         candidates = {max(1, target // num_programs), triton.cdiv(target, num_programs)}
@@ -215,7 +216,7 @@ def choose_num_splits(
     else:
         return 1
     splits = max(1, min(wanted, max_seq_len // (tile_n * _SPLIT_MIN_TILES), _MAX_SPLITS))
-    if splits > merge_chunk:
+    if splits > merge_chunk and not few:  # a merge launch reads every split at once: no chunks to round to
         splits -= splits % merge_chunk
     return splits
 
