@@ -278,6 +278,7 @@ def test_num_splits_heuristic(num_programs, num_sms, max_seq_len, tile_n, chunk,
 
         other = n - 1 if num_programs * n >= wanted else n + 1
         assert most_per_sm(n) <= most_per_sm(other)
+        assert most_per_sm(n) < most_per_sm(other) or n < other  # ties to fewer splits
 
 
 # (target, batch, KV tile, splits) for Llama-3 8B's attention (32 / 8 heads of 128, 8 programs a sequence) decoding
@@ -289,6 +290,11 @@ FULL_GRID_TILES = [
     (HOPPER_H100, 4, 32, 8),  # 32 programs x 8 splits: 1.94 per SM, the 32-key tile as for an unsplit batch 32
     (HOPPER_H100, 8, 32, 4),  # 64 programs: 4 splits spread evenly (1.94 per SM); 5 would leave SMs with 3 and 2
     (HOPPER_H200, 8, 64, 4),  # the same grid at 4.8 TB/s: too few reads in flight for the 32-key tile
+    (HOPPER_H100, 12, 64, 2),  # 96 programs, 0.73 of the SMs busy unsplit: 2 splits (3 spread no more evenly)
+    (HOPPER_H100, 13, 64, 1),  # 104 programs, 0.79: the idle SMs give back less than a split costs
+    (HOPPER_H100, 16, 64, 1),
+    (HOPPER_H200, 14, 64, 2),  # 112 programs, each reading too little at 4.8 TB/s to keep its SM busy: 0.73
+    (HOPPER_H200, 15, 64, 1),  # 120 programs: 0.78
     (HOPPER_H100, 32, 32, 1),  # 1.9 programs per SM: enough reads in flight for 32-key tiles on this GPU
     (HOPPER_H100, 48, 32, 1),  # 2.9: too few for 16-key tiles
     (HOPPER_H100, 56, 16, 1),  # 3.4-7.8: one wave of the 8-per-SM 16-key tile
@@ -316,6 +322,23 @@ def test_full_grid_decode_tiles(target, num_seqs, tile_n, num_splits):
     assert cfg.num_warps == (2 if tile_n == 16 else 4)
     # Batch 1-3 merge in a launch of their own; larger split grids merge in the attention launch.
     assert cfg.num_splits == 1 or cfg.merge_in_launch == (num_seqs > 3)
+
+
+@pytest.mark.parametrize("target", [HOPPER_H100, HOPPER_H200])
+@pytest.mark.parametrize("max_seq_len", [1024, 4096, 32768])
+def test_larger_decode_batches_never_split_more(target, max_seq_len):
+    # More sequences keep more SMs busy unsplit, so a larger batch never splits its KV more ways; past the few
+    # programs of batch 1-3 the split count comes down to 1 before the grid has a program per SM.
+    splits = [
+        paged_attention_config(
+            num_seqs=num_seqs, num_heads=32, num_kv_heads=8, head_size=128, dtype=torch.bfloat16,
+            max_query_len=1, max_seq_len=max_seq_len, target=target,
+        ).num_splits
+        for num_seqs in range(4, 40)
+    ]  # fmt: skip
+    assert splits == sorted(splits, reverse=True)
+    assert splits[0] > 1 and splits[-1] == 1
+    assert splits[(target.num_sms // 8) - 4] == 1  # batch 16: 128 programs on 132 SMs
 
 
 @pytest.mark.parametrize("target", [HOPPER_H100, HOPPER_H200])

@@ -155,6 +155,14 @@ _MIN_WAVES = 1.9
 # the 64-key one (the plan before); batch 4, 8 ways, 75.4 / 91.2 against 72.2 / 90.4. Batch 1-3 (16 ways, below)
 # keep the tile they were tuned with.
 _SPLIT_GRID_MAX_SPLITS = 8
+# A grid of fewer programs than SMs splits only while unsplit it would draw less than this share of the DRAM
+# bandwidth (`_unsplit_busy`): splitting adds a fixed cost (partials, their merge) and gives back only the idle
+# SMs' share. H100, head 128, per layer inside a step's graph (`bench_attention.py --chain --chain-match
+# "1 split"`), us at 1k / 4k / 16k, unsplit against 3 splits (the plan before): batch 12 (96 programs, 0.73 of the
+# SMs) 24.1 / 82.9 / 314.9 against 28.9 / 81.8 / 294.9; batch 13 (0.79) 24.4 / 84.1 / 318.4 against 29.8 / 85.5 /
+# 311.0; batch 16 (0.97) 27.6 / 97.7 / 368.3 against 33.6 / 100.9 / 373.0; batch 11 (0.67) 23.7 / 82.6 / 313.1
+# against 23.1 / 70.0 / 253.9.
+_SPLIT_BELOW_BUSY = 0.75
 # A decode grid so small that _FEW_PROGRAMS_SPLITS splits of it fit in one wave of resident programs (batch 1-3 at
 # 8 KV heads on 132 SMs) is bound by each program's chain of dependent round trips (block table, K/V, partials),
 # not by how evenly its programs fill the SMs: it splits _FEW_PROGRAMS_SPLITS ways and merges in a launch of its
@@ -194,7 +202,7 @@ def choose_num_splits(
     A grid small enough that _FEW_PROGRAMS_SPLITS splits of it fit in one wave of resident programs
     (`programs_per_sm` per SM) takes that many; its merge is a launch of its own (see above). Otherwise split while
     the grid is short of _SPLIT_PROGRAMS_PER_SM programs per SM (to the split count on either side of that whose
-    programs spread most evenly over the SMs, the larger on ties), or when it is between one and _MIN_WAVES waves
+    programs spread most evenly over the SMs, the smaller on ties), or when it is between one and _MIN_WAVES waves
     of resident programs (see above), past `merge_chunk` splits only in whole chunks; never into splits shorter
     than _SPLIT_MIN_TILES KV tiles of the longest sequence. A sequence shorter than max_seq_len cuts its own range
     into the same number of splits, leaving any beyond its tiles empty (a launch slot, not a read): what a CUDA
@@ -208,9 +216,10 @@ def choose_num_splits(
         wanted = _FEW_PROGRAMS_SPLITS
     elif num_programs < num_sms:
         # The SM with the most programs finishes last: 64 programs split 4 ways (1.94 per SM) beat 5 ways (2.4).
+        # On ties, fewer splits: fewer partials to write and merge (96 programs: 2 ways beat 3, see above).
         target = _SPLIT_PROGRAMS_PER_SM * num_sms
         candidates = {max(1, target // num_programs), triton.cdiv(target, num_programs)}
-        wanted = max(sorted(candidates, reverse=True), key=lambda n: _per_sm_fill(num_programs * n, num_sms))
+        wanted = max(sorted(candidates), key=lambda n: _per_sm_fill(num_programs * n, num_sms))
     elif resident < num_programs < _MIN_WAVES * resident:
         wanted = math.ceil(_MIN_WAVES * resident / num_programs)
     else:
@@ -274,8 +283,11 @@ def paged_attention_config(
         num_splits = 1
     elif num_splits is None:
         full_grid = _full_grid_tile(queries_per_kv, head_padded, dtype, max_query_len, programs, target)
+        row_bytes = head_padded * torch.tensor([], dtype=dtype).element_size()
         if full_grid is not None:  # fills the GPU unsplit
             cfg, num_splits = _with_tile(cfg, full_grid), 1
+        elif not few and _unsplit_busy(cfg, programs, row_bytes, target) >= _SPLIT_BELOW_BUSY:
+            num_splits = 1  # the SMs it leaves idle give back less than the partials and their merge cost
         else:
             chunk = _merge_chunk(cfg, head_padded, target, programs)
             num_splits = choose_num_splits(
@@ -380,8 +392,19 @@ def _full_grid_tile(
 def _fed(tile: _Tile, programs_per_sm: float, row_bytes: int, target: AttentionTarget) -> bool:
     """Whether `programs_per_sm` programs of `tile`, each reading one K and one V tile of `row_bytes` rows at a
     time, keep the SM's share of the DRAM bandwidth busy for _READ_LATENCY_US."""
-    in_flight = programs_per_sm * tile.tile_n * 2 * row_bytes
-    return in_flight >= target.dram_gbs / target.num_sms * 1e3 * _READ_LATENCY_US
+    return programs_per_sm * tile.tile_n * 2 * row_bytes >= _bytes_in_flight_per_sm(target)
+
+
+def _bytes_in_flight_per_sm(target: AttentionTarget) -> float:
+    """Reads an SM must keep in flight to draw its share of the DRAM bandwidth (Little's law)."""
+    return target.dram_gbs / target.num_sms * 1e3 * _READ_LATENCY_US
+
+
+def _unsplit_busy(cfg: PagedAttentionConfig, programs: int, row_bytes: int, target: AttentionTarget) -> float:
+    """Share of the DRAM bandwidth an unsplit grid of `programs` < num_sms programs of `cfg`'s tile draws: the
+    SMs it occupies, one program each, each as far as that program's K and V tile reads in flight feed it."""
+    fed = min(1.0, cfg.tile_n * 2 * row_bytes / _bytes_in_flight_per_sm(target))
+    return programs / target.num_sms * fed
 
 
 def _gpu_config(queries_per_kv: int, head_padded: int, dtype: torch.dtype, max_query_len: int) -> PagedAttentionConfig:
