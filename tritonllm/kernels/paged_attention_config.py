@@ -216,7 +216,8 @@ def choose_num_splits(
         wanted = _FEW_PROGRAMS_SPLITS
     elif num_programs < num_sms:
         # The SM with the most programs finishes last: 64 programs split 4 ways (1.94 per SM) beat 5 ways (2.4).
-        # On ties, fewer splits: fewer partials to write and merge (96 programs: 2 ways beat 3, see above).
+        # On ties, fewer splits, so fewer partials to write and merge: 96 programs split 2 ways took 25.4 / 145.0 us
+        # at 1k / 8k on an H100 against 28.2 / 152.7 for 3 (docs/benchmarks.md, nineteenth pass).
         target = _SPLIT_PROGRAMS_PER_SM * num_sms
         candidates = {max(1, target // num_programs), triton.cdiv(target, num_programs)}
         wanted = max(sorted(candidates), key=lambda n: _per_sm_fill(num_programs * n, num_sms))
