@@ -161,7 +161,8 @@ _SPLIT_GRID_MAX_SPLITS = 8
 # "1 split"`), us at 1k / 4k / 16k, unsplit against 3 splits (the plan before): batch 12 (96 programs, 0.73 of the
 # SMs) 24.1 / 82.9 / 314.9 against 28.9 / 81.8 / 294.9; batch 13 (0.79) 24.4 / 84.1 / 318.4 against 29.8 / 85.5 /
 # 311.0; batch 16 (0.97) 27.6 / 97.7 / 368.3 against 33.6 / 100.9 / 373.0; batch 11 (0.67) 23.7 / 82.6 / 313.1
-# against 23.1 / 70.0 / 253.9.
+# against 23.1 / 70.0 / 253.9. Batch 13 at 16k is the loss (5% in a second run); serving contexts mostly fall short
+# of the max_model_len a decode graph is planned for, where unsplit wins.
 _SPLIT_BELOW_BUSY = 0.75
 # A decode grid so small that _FEW_PROGRAMS_SPLITS splits of it fit in one wave of resident programs (batch 1-3 at
 # 8 KV heads on 132 SMs) is bound by each program's chain of dependent round trips (block table, K/V, partials),
