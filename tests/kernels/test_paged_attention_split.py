@@ -1,6 +1,7 @@
 """Split-KV (flash-decoding) paged attention: the split path, its merge kernel, and the launch heuristics."""
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -322,6 +323,17 @@ def test_full_grid_decode_tiles(target, num_seqs, tile_n, num_splits):
     assert cfg.num_warps == (2 if tile_n == 16 else 4)
     # Batch 1-3 merge in a launch of their own; larger split grids merge in the attention launch.
     assert cfg.num_splits == 1 or cfg.merge_in_launch == (num_seqs > 3)
+
+
+@pytest.mark.parametrize("target", [HOPPER_H100, HOPPER_H200])
+def test_grids_of_one_to_two_waves_split_without_a_narrower_tile(target):
+    # Head 64 has one decode tile (3 resident a SM): 480 programs are 1.2 waves of it, so they split until the last
+    # wave is nearly full, however busy so many programs keep the GPU.
+    cfg = paged_attention_config(
+        num_seqs=60, num_heads=32, num_kv_heads=8, head_size=64, dtype=torch.bfloat16,
+        max_query_len=1, max_seq_len=4096, target=target,
+    )  # fmt: skip
+    assert cfg.num_splits == math.ceil(_MIN_WAVES * 3 * target.num_sms / 480) == 2
 
 
 @pytest.mark.parametrize("target", [HOPPER_H100, HOPPER_H200])

@@ -288,7 +288,11 @@ def paged_attention_config(
         row_bytes = head_padded * torch.tensor([], dtype=dtype).element_size()
         if full_grid is not None:  # fills the GPU unsplit
             cfg, num_splits = _with_tile(cfg, full_grid), 1
-        elif not few and _unsplit_busy(cfg, programs, row_bytes, target) >= _SPLIT_BELOW_BUSY:
+        elif (
+            not few
+            and programs < target.num_sms
+            and _unsplit_busy(cfg, programs, row_bytes, target) >= _SPLIT_BELOW_BUSY
+        ):
             num_splits = 1  # the SMs it leaves idle give back less than the partials and their merge cost
         else:
             chunk = _merge_chunk(cfg, head_padded, target, programs)
