@@ -24,6 +24,7 @@ from tritonllm.kernels.paged_attention_config import (
     _FEW_PROGRAMS_SPLITS,
     _MAX_SPLITS,
     _MIN_WAVES,
+    _SPLIT_BELOW_BUSY,
     _SPLIT_MIN_TILES,
     HOPPER_H100,
     HOPPER_H200,
@@ -254,7 +255,13 @@ def test_num_splits_heuristic(num_programs, num_sms, max_seq_len, tile_n, chunk,
     resident = per_sm * num_sms
     # Longer contexts never ask for fewer splits.
     assert choose_num_splits(num_programs, num_sms, 2 * max_seq_len, tile_n, chunk, programs_per_sm=per_sm) >= n
-    if num_programs * _FEW_PROGRAMS_SPLITS <= resident:
+    # A grid short of a program per SM that already keeps most of the bandwidth busy unsplit stays unsplit.
+    busy = choose_num_splits(
+        num_programs, num_sms, max_seq_len, tile_n, chunk, programs_per_sm=per_sm, unsplit_busy=_SPLIT_BELOW_BUSY
+    )
+    few = num_programs * _FEW_PROGRAMS_SPLITS <= resident
+    assert busy == (1 if num_programs < num_sms and not few else n)
+    if few:
         # So few programs that the fixed split count fits in one wave: that count, as far as the length allows.
         assert n == max(1, min(_FEW_PROGRAMS_SPLITS, max_seq_len // (tile_n * _SPLIT_MIN_TILES)))
         return

@@ -196,13 +196,20 @@ _INTERP_MAX_COLS = 1024  # kv heads x padded head size packed into one program
 
 
 def choose_num_splits(
-    num_programs: int, num_sms: int, max_seq_len: int, tile_n: int, merge_chunk: int, programs_per_sm: int = 3
+    num_programs: int,
+    num_sms: int,
+    max_seq_len: int,
+    tile_n: int,
+    merge_chunk: int,
+    programs_per_sm: int = 3,
+    unsplit_busy: float = 0.0,
 ) -> int:
     """KV splits per sequence for a launch of `num_programs` = num_seqs * num_kv_heads unsplit programs.
 
     A grid small enough that _FEW_PROGRAMS_SPLITS splits of it fit in one wave of resident programs
     (`programs_per_sm` per SM) takes that many; its merge is a launch of its own (see above). Otherwise split while
-    the grid is short of _SPLIT_PROGRAMS_PER_SM programs per SM (to the split count on either side of that whose
+    the grid is short of a program per SM and draws less than _SPLIT_BELOW_BUSY of the DRAM bandwidth unsplit
+    (`unsplit_busy`), up to _SPLIT_PROGRAMS_PER_SM programs per SM (to the split count on either side of that whose
     programs spread most evenly over the SMs, the smaller on ties), or when it is between one and _MIN_WAVES waves
     of resident programs (see above), past `merge_chunk` splits only in whole chunks; never into splits shorter
     than _SPLIT_MIN_TILES KV tiles of the longest sequence. A sequence shorter than max_seq_len cuts its own range
@@ -216,6 +223,8 @@ def choose_num_splits(
     if few:
         wanted = _FEW_PROGRAMS_SPLITS
     elif num_programs < num_sms:
+        if unsplit_busy >= _SPLIT_BELOW_BUSY:
+            return 1  # the SMs it leaves idle give back less than the partials and their merge cost
         # The SM with the most programs finishes last: 64 programs split 4 ways (1.94 per SM) beat 5 ways (2.4).
         # On ties, fewer splits, so fewer partials to write and merge: 96 programs split 2 ways took 25.4 / 145.0 us
         # at 1k / 8k on an H100 against 28.2 / 152.7 for 3 (docs/benchmarks.md, nineteenth pass).
@@ -285,19 +294,13 @@ def paged_attention_config(
         num_splits = 1
     elif num_splits is None:
         full_grid = _full_grid_tile(queries_per_kv, head_padded, dtype, max_query_len, programs, target)
-        row_bytes = head_padded * torch.tensor([], dtype=dtype).element_size()
         if full_grid is not None:  # fills the GPU unsplit
             cfg, num_splits = _with_tile(cfg, full_grid), 1
-        elif (
-            not few
-            and programs < target.num_sms
-            and _unsplit_busy(cfg, programs, row_bytes, target) >= _SPLIT_BELOW_BUSY
-        ):
-            num_splits = 1  # the SMs it leaves idle give back less than the partials and their merge cost
         else:
             chunk = _merge_chunk(cfg, head_padded, target, programs)
+            busy = _unsplit_busy(cfg, programs, head_padded * dtype.itemsize, target)
             num_splits = choose_num_splits(
-                programs, target.num_sms, max_seq_len, cfg.tile_n, chunk, programs_per_sm=per_sm
+                programs, target.num_sms, max_seq_len, cfg.tile_n, chunk, programs_per_sm=per_sm, unsplit_busy=busy
             )
             if 1 < num_splits <= _SPLIT_GRID_MAX_SPLITS:
                 # A grid split a few ways fills the GPU like a batch that needs no split: the same tile rule.
@@ -385,8 +388,7 @@ def _full_grid_tile(
         return None
     crowded, wide = _gpu_tile(head_padded, dtype, "decode_crowded"), _gpu_tile(head_padded, dtype, "decode")
     tiles = [t for t in (crowded, narrow, wide) if t is not None]  # most resident first
-    elem_bytes = torch.tensor([], dtype=dtype).element_size()
-    fed = [t for t in tiles if _fed(t, programs / num_sms, head_padded * elem_bytes, target)] or [wide]
+    fed = [t for t in tiles if _fed(t, programs / num_sms, head_padded * dtype.itemsize, target)] or [wide]
 
     def last_wave_fill(tile: _Tile) -> float:
         resident = tile.programs_per_sm * num_sms
@@ -407,8 +409,8 @@ def _bytes_in_flight_per_sm(target: AttentionTarget) -> float:
 
 
 def _unsplit_busy(cfg: PagedAttentionConfig, programs: int, row_bytes: int, target: AttentionTarget) -> float:
-    """Share of the DRAM bandwidth an unsplit grid of `programs` < num_sms programs of `cfg`'s tile draws: the
-    SMs it occupies, one program each, each as far as that program's K and V tile reads in flight feed it."""
+    """Share of the DRAM bandwidth an unsplit grid of `programs` (fewer than SMs) of `cfg`'s tile draws: the SMs
+    it occupies, one program each, each as far as that program's K and V tile reads in flight feed it."""
     fed = min(1.0, cfg.tile_n * 2 * row_bytes / _bytes_in_flight_per_sm(target))
     return programs / target.num_sms * fed
 
