@@ -96,6 +96,7 @@ class Shapes:
     mixed_steps: tuple[tuple[int, int, int], ...] = MIXED_STEPS
     chain_batches: tuple[int, ...] = CHAIN_BATCHES
     chain_contexts: tuple[int, ...] = CHAIN_CONTEXTS
+    chain_splits: tuple[int, ...] = CHAIN_SPLITS
 
 
 TINY = Shapes(
@@ -468,7 +469,7 @@ def _chain_configs(batch: int, context: int, s: Shapes, dtype, device) -> dict[s
         for min_tiles in CHAIN_SPLIT_MIN_TILES:
             cfg = dataclasses.replace(default, split_min_tiles=min_tiles)
             configs.setdefault(f"{cfg.num_splits} splits of >= {min_tiles} tiles", cfg)
-    for n, (merge, in_launch, chunk) in itertools.product(CHAIN_SPLITS, CHAIN_MERGES):
+    for n, (merge, in_launch, chunk) in itertools.product(s.chain_splits, CHAIN_MERGES):
         cfg = dataclasses.replace(
             paged_attention_config(**plan, num_splits=n), merge_in_launch=in_launch, merge_chunk=chunk
         )
@@ -819,6 +820,7 @@ def main() -> None:
     parser.add_argument("--chain", action="store_true", help="also time batch 1-8 decode per layer of a step")
     parser.add_argument("--chain-batches", default=None, help="batch sizes --chain times, e.g. 1,8 (default: 1,2,4,8)")
     parser.add_argument("--chain-contexts", default=None, help="contexts --chain times, e.g. 1024,4096")
+    parser.add_argument("--chain-splits", default=None, help="split counts --chain forces, e.g. 1,2,3")
     parser.add_argument(
         "--chain-default-only", action="store_true", help="--chain times the default plan and SDPA only"
     )
@@ -858,6 +860,8 @@ def main() -> None:
         shapes = dataclasses.replace(shapes, chain_batches=tuple(int(v) for v in args.chain_batches.split(",")))
     if args.chain_contexts:
         shapes = dataclasses.replace(shapes, chain_contexts=tuple(int(v) for v in args.chain_contexts.split(",")))
+    if args.chain_splits:
+        shapes = dataclasses.replace(shapes, chain_splits=tuple(int(v) for v in args.chain_splits.split(",")))
     if args.sweep_prefill:
         lengths = () if args.sweep_prefill == "none" else tuple(int(v) for v in args.sweep_prefill.split(","))
         shapes = dataclasses.replace(shapes, sweep_prefill=lengths)
