@@ -37,6 +37,7 @@ from bench_utils import (  # noqa: E402
     STREAM_BYTES,
     bench_device,
     environment,
+    fixed_and_rate,
     log,
     markdown_table,
     stream_us,
@@ -528,10 +529,30 @@ def _chain_row(
         f"sdpa {sdpa_us:.1f} us {pct(sdpa_us):.0f}%"
     )
     return dict(
-        batch=batch, context=context, layers=layers, default=first.config.num_splits, default_us=timed["default"],
-        default_pct_copy=pct(timed["default"]), best=best, best_us=timed[best], best_pct_copy=pct(timed[best]),
-        sdpa_us=sdpa_us, sdpa_pct_copy=pct(sdpa_us), all_us=timed,
+        batch=batch, context=context, bytes=first.work, layers=layers, default=first.config.num_splits,
+        default_us=timed["default"], default_pct_copy=pct(timed["default"]), best=best, best_us=timed[best],
+        best_pct_copy=pct(timed[best]), sdpa_us=sdpa_us, sdpa_pct_copy=pct(sdpa_us), all_us=timed,
     )  # fmt: skip
+
+
+def chain_fits(rows: list[dict], copy_gbs: float) -> list[dict]:
+    """Per batch timed at two or more contexts, the plan's and SDPA's time split into a fixed part and a streaming
+    rate (bench_utils.fixed_and_rate): how far a target at one context is from what the other sizes predict."""
+    fits = []
+    for batch in dict.fromkeys(r["batch"] for r in rows):
+        mine = [r for r in rows if r["batch"] == batch]
+        if len({r["context"] for r in mine}) < 2:
+            continue
+        fit = dict(batch=batch, contexts=",".join(str(r["context"]) for r in mine))
+        for who, key in (("ours", "default_us"), ("sdpa", "sdpa_us")):
+            fixed, gbs = fixed_and_rate([r["bytes"] for r in mine], [r[key] for r in mine])
+            fit |= {f"{who}_fixed_us": fixed, f"{who}_gbs": gbs, f"{who}_pct_copy": 100 * gbs / copy_gbs}
+        log(
+            f"chain fit B={batch}: plan {fit['ours_fixed_us']:.2f} us + KV at {fit['ours_gbs']:,.0f} GB/s "
+            f"({fit['ours_pct_copy']:.0f}% of copy) | sdpa {fit['sdpa_fixed_us']:.2f} us + {fit['sdpa_gbs']:,.0f} GB/s"
+        )
+        fits.append(fit)
+    return fits
 
 
 def _rank_tiles(rows: list[dict], key: str) -> list[dict]:
@@ -784,6 +805,18 @@ def render(results: dict) -> str:
             "",
             markdown_table(list(columns.values()), [[r[k] for k in columns] for r in results["chain"]]),
         ]
+    if results.get("chain_fit"):
+        columns = {
+            "batch": "batch", "contexts": "contexts", "ours_fixed_us": "plan: fixed us", "ours_gbs": "plan: GB/s",
+            "ours_pct_copy": "plan: % copy", "sdpa_fixed_us": "SDPA: fixed us", "sdpa_gbs": "SDPA: GB/s",
+            "sdpa_pct_copy": "SDPA: % copy",
+        }  # fmt: skip
+        parts += [
+            "",
+            "## The same as a fixed cost per call plus a streaming rate (least squares over the contexts)",
+            "",
+            markdown_table(list(columns.values()), [[r[k] for k in columns] for r in results["chain_fit"]]),
+        ]
     if "sweep" in results:
         sweep = results["sweep"]
         parts += ["", "## Sweep: best launch config per shape (the default is what paged_attention picks)", ""]
@@ -884,6 +917,7 @@ def main() -> None:
         results["chain"] = run_chain(
             shapes, dtype, device, copy_gbs, default_only=args.chain_default_only, match=args.chain_match
         )
+        results["chain_fit"] = chain_fits(results["chain"], copy_gbs)
     if args.sweep:
         results["sweep"] = run_sweep(shapes, dtype, device, copy_gbs)
     if args.split_sweep:

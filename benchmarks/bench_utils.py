@@ -7,6 +7,7 @@ import argparse
 import contextlib
 import datetime
 import json
+import math
 import os
 import platform
 import re
@@ -103,6 +104,20 @@ def copy_bandwidth_gbs(device: torch.device, nbytes: int = 2**30) -> float:
     dst = torch.empty_like(src)
     ms = time_ms(lambda: dst.copy_(src), device, warmup_ms=50, rep_ms=300)
     return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def fixed_and_rate(nbytes: Sequence[float], us: Sequence[float]) -> tuple[float, float]:
+    """Least squares of us = fixed + nbytes / rate over launches of one kind at several sizes: (fixed us, rate in
+    GB/s). `fixed` is what a launch pays whatever it reads (the launch, dependent round trips, the tail), the rate
+    is how fast it streams once running; a target in % of copy bandwidth at some size needs both."""
+    if len(nbytes) != len(us) or len(set(nbytes)) < 2:
+        raise ValueError(f"a fit needs times at two or more distinct sizes, got sizes {list(nbytes)}")
+    mean_b, mean_t = sum(nbytes) / len(nbytes), sum(us) / len(us)
+    sxx = sum((b - mean_b) ** 2 for b in nbytes)
+    slope = sum((b - mean_b) * (t - mean_t) for b, t in zip(nbytes, us, strict=True)) / sxx  # us per byte
+    if slope <= 0:  # times that do not grow with the size: all of it fixed
+        return mean_t, math.inf
+    return mean_t - slope * mean_b, 1e-3 / slope
 
 
 def add_kernel_override_args(p: argparse.ArgumentParser) -> None:

@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_utils import (  # noqa: E402
     bench_device,
     environment,
+    fixed_and_rate,
     log,
     markdown_table,
     stream_copies,
@@ -116,6 +117,8 @@ def run_default(shapes, batches, dtype: torch.dtype, g: int, sms: int, device: t
                 "m": m,
                 **{f"{key}_us": v for key, v in us.items()},
                 "dense_over_w4a16": us["dense"] / us["w4a16"],
+                "packed_bytes": packed_bytes,
+                "dense_bytes": k * n * dense[0].element_size(),
                 "w4a16_gbs": packed_bytes / (us["w4a16"] * 1e-6) / 1e9,
                 "w4a16_tflops": 2 * m * k * n / (us["w4a16"] * 1e-6) / 1e12,
                 "config": dataclasses.asdict(cfg),
@@ -134,7 +137,34 @@ def run_default(shapes, batches, dtype: torch.dtype, g: int, sms: int, device: t
         "dense/w4a16", "GB/s", "TFLOP/s",
     ]  # fmt: skip
     md = markdown_table(headers + ["launch"], rows)
-    return {"results": results, "markdown": md}
+    fits = _fits(results)
+    if fits:
+        fit_headers = ["M", "w4a16 fixed us", "w4a16 GB/s", "dense fixed us", "dense GB/s"]
+        md += "\n\nPer M over the shapes, us = fixed + bytes / rate (least squares):\n\n" + markdown_table(
+            fit_headers,
+            [[f[k] for k in ("m", "w4a16_fixed_us", "w4a16_gbs", "dense_fixed_us", "dense_gbs")] for f in fits],
+        )
+    return {"results": results, "fits": fits, "markdown": md}
+
+
+def _fits(results: list[dict]) -> list[dict]:
+    """Per M timed on two or more shapes: the W4A16 and dense times as a fixed cost plus a rate over the bytes each
+    reads (packed weights with zeros and scales; the dense W^T)."""
+    fits = []
+    for m in dict.fromkeys(r["m"] for r in results):
+        mine = [r for r in results if r["m"] == m]
+        if len({r["packed_bytes"] for r in mine}) < 2:
+            continue
+        fit = {"m": m}
+        for kind, size in (("w4a16", "packed_bytes"), ("dense", "dense_bytes")):
+            fixed, gbs = fixed_and_rate([r[size] for r in mine], [r[f"{kind}_us"] for r in mine])
+            fit |= {f"{kind}_fixed_us": fixed, f"{kind}_gbs": gbs}
+        log(
+            f"fit M={m}: w4a16 {fit['w4a16_fixed_us']:.2f} us + {fit['w4a16_gbs']:,.0f} GB/s | "
+            f"dense {fit['dense_fixed_us']:.2f} us + {fit['dense_gbs']:,.0f} GB/s"
+        )
+        fits.append(fit)
+    return fits
 
 
 def _cdiv(a: int, b: int) -> int:
