@@ -291,7 +291,7 @@ def test_num_splits_heuristic(num_programs, num_sms, max_seq_len, tile_n, chunk,
 
 # (target, batch, KV tile, splits) for Llama-3 8B's attention (32 / 8 heads of 128, 8 programs a sequence) decoding
 # 4k contexts on 132 SMs. H100 rows: the fastest of the 16-, 32- and 64-key tiles and of splitting where measured
-# (docs/benchmarks.md); H200 rows: measured at batch 32 and 64, the rest what the rule predicts from the bandwidth.
+# (docs/benchmarks.md); H200 rows: measured at batch 32, 64 and 72, the rest what the rule predicts from the bandwidth.
 FULL_GRID_TILES = [
     (HOPPER_H100, 1, 64, 16),  # 8 programs: 16 splits (one wave), the tile batch 1 was tuned with
     (HOPPER_H100, 3, 64, 16),  # 24 programs x 16 = 384: still within a wave of 3 per SM
@@ -301,8 +301,8 @@ FULL_GRID_TILES = [
     (HOPPER_H100, 12, 64, 2),  # 96 programs, 0.73 of the SMs busy unsplit: 2 splits (3 spread no more evenly)
     (HOPPER_H100, 13, 64, 1),  # 104 programs, 0.79: the idle SMs give back less than a split costs
     (HOPPER_H100, 16, 64, 1),
-    (HOPPER_H200, 14, 64, 2),  # 112 programs, each reading too little at 4.8 TB/s to keep its SM busy: 0.73
-    (HOPPER_H200, 15, 64, 1),  # 120 programs: 0.78
+    (HOPPER_H200, 12, 64, 2),  # 96 programs, each reading a little too little at 4.8 TB/s to keep its SM busy: 0.69
+    (HOPPER_H200, 14, 64, 1),  # 112 programs: 0.80
     (HOPPER_H100, 32, 32, 1),  # 1.9 programs per SM: enough reads in flight for 32-key tiles on this GPU
     (HOPPER_H100, 48, 32, 1),  # 2.9: too few for 16-key tiles
     (HOPPER_H100, 56, 16, 1),  # 3.4-7.8: one wave of the 8-per-SM 16-key tile
@@ -315,7 +315,8 @@ FULL_GRID_TILES = [
     (HOPPER_H200, 32, 64, 1),  # 1.9 programs per SM: too few reads in flight for 32-key tiles at 4.8 TB/s
     (HOPPER_H200, 40, 32, 1),
     (HOPPER_H200, 64, 32, 1),  # 3.9: enough for 32-key tiles, one wave of them; too few for 16-key ones
-    (HOPPER_H200, 80, 16, 1),  # 4.8 and up: 16-key tiles
+    (HOPPER_H200, 72, 16, 1),  # 4.4 and up: 16-key tiles (measured at batch 72)
+    (HOPPER_H200, 80, 16, 1),
     (HOPPER_H200, 128, 16, 1),
 ]
 

@@ -108,9 +108,11 @@ class _Tile:
 # enough K/V reads in flight on every SM to cover the DRAM latency at the GPU's bandwidth per SM (Little's law;
 # `_fed`), so the narrower a tile, the more programs per SM it needs, and the more so on a faster GPU; among those,
 # the one whose last wave is fullest (a grid within one wave counts as full), ties to the most resident programs.
-# _READ_LATENCY_US is fitted to where the narrower tiles start to win on an H100 (3.35 TB/s, 132 SMs): the 32-key
-# tile from about 1.7 programs per SM, the 16-key one from about 3.3; the H200 (4.8 TB/s) lost 9-11 points on the
-# 32-key tile at 1.9 programs per SM (batch 32), which the rule keeps on the 64-key one there.
+# _READ_LATENCY_US sits where the narrower tiles start to win. H200 (4.8 TB/s, 132 SMs): the 32-key tile lost 9-11
+# points at 1.9 programs per SM (batch 32), so above 0.87 us; the 16-key one won at 4.4 (batch 72, 1k / 4k: 85.5 /
+# 92.3% of copy bandwidth against 80.7 / 87.8 for the 64-key tile), so at most 0.98 us. H100 (3.35 TB/s): the
+# 32-key tile won from 1.9 (batch 32) and the 16-key one at 3.4 (batch 56). At 0.95 the H100 switches at 1.5 and
+# 2.95 programs per SM (batch 25 and 49).
 # Triton 3.6, head 128 (registers a thread, shared memory, resident programs): 64 keys 142, 70 KiB, 3; 32 keys 106,
 # 37 KiB, 4; 16 keys 122 (2 warps), 21 KiB, 8. H100, 1k / 4k, % of copy bandwidth (docs/benchmarks.md, seventeenth
 # pass), the tile now chosen against the best other: batch 40 (320 programs) 32 keys 87.6-89.5 / 99.4-99.8 against
@@ -118,7 +120,7 @@ class _Tile:
 # 96.7-96.9 / 101.9-102.0 against 89.5-90.1 / 94.6-95.3; batch 192 (1.45 waves of the 16-key tile) 32 keys 98.4 /
 # 101.9 against 97.4 / 100.4.
 _DECODE_ROWS = 32
-_READ_LATENCY_US = 1.05
+_READ_LATENCY_US = 0.95
 _HOPPER_16BIT: dict[tuple[int, str], _Tile] = {
     (64, "decode"): _Tile(block_m=32, tile_n=128, num_warps=4, num_stages=5),
     (128, "decode"): _Tile(block_m=32, tile_n=64, num_warps=4, num_stages=5),
