@@ -112,7 +112,7 @@ class _Tile:
 # points at 1.9 programs per SM (batch 32), so above 0.87 us; the 16-key one won at 4.4 (batch 72, 1k / 4k: 85.5 /
 # 92.3% of copy bandwidth against 80.7 / 87.8 for the 64-key tile), so at most 0.98 us. H100 (3.35 TB/s): the
 # 32-key tile won from 1.9 (batch 32) and the 16-key one at 3.4 (batch 56). At 0.95 the H100 switches at 1.5 and
-# 2.95 programs per SM (batch 25 and 49).
+# 2.95 programs per SM (batch 25 and 49) instead of 1.6 and 3.3.
 # Triton 3.6, head 128 (registers a thread, shared memory, resident programs): 64 keys 142, 70 KiB, 3; 32 keys 106,
 # 37 KiB, 4; 16 keys 122 (2 warps), 21 KiB, 8. H100, 1k / 4k, % of copy bandwidth (docs/benchmarks.md, seventeenth
 # pass), the tile now chosen against the best other: batch 40 (320 programs) 32 keys 87.6-89.5 / 99.4-99.8 against
