@@ -315,7 +315,7 @@ FULL_GRID_TILES = [
     (HOPPER_H200, 32, 64, 1),  # 1.9 programs per SM: too few reads in flight for 32-key tiles at 4.8 TB/s
     (HOPPER_H200, 40, 32, 1),
     (HOPPER_H200, 64, 32, 1),  # 3.9: enough for 32-key tiles, one wave of them; too few for 16-key ones
-    (HOPPER_H200, 72, 16, 1),  # 4.4 and up: 16-key tiles (measured at batch 72)
+    (HOPPER_H200, 72, 16, 1),  # 4.2 and up (batch 70): 16-key tiles (measured at batch 72)
     (HOPPER_H200, 80, 16, 1),
     (HOPPER_H200, 128, 16, 1),
 ]
