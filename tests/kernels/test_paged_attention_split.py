@@ -291,7 +291,8 @@ def test_num_splits_heuristic(num_programs, num_sms, max_seq_len, tile_n, chunk,
 
 # (target, batch, KV tile, splits) for Llama-3 8B's attention (32 / 8 heads of 128, 8 programs a sequence) decoding
 # 4k contexts on 132 SMs. H100 rows: the fastest of the 16-, 32- and 64-key tiles and of splitting where measured
-# (docs/benchmarks.md); H200 rows: measured at batch 32, 64 and 72, the rest what the rule predicts from the bandwidth.
+# (docs/benchmarks.md); H200 rows: measured at batch 32, 40, 64 and 72, the rest what the rule predicts from the
+# bandwidth.
 FULL_GRID_TILES = [
     (HOPPER_H100, 1, 64, 16),  # 8 programs: 16 splits (one wave), the tile batch 1 was tuned with
     (HOPPER_H100, 3, 64, 16),  # 24 programs x 16 = 384: still within a wave of 3 per SM
@@ -303,8 +304,11 @@ FULL_GRID_TILES = [
     (HOPPER_H100, 16, 64, 1),
     (HOPPER_H200, 12, 64, 2),  # 96 programs, each reading a little too little at 4.8 TB/s to keep its SM busy: 0.69
     (HOPPER_H200, 14, 64, 1),  # 112 programs: 0.80
-    (HOPPER_H100, 32, 32, 1),  # 1.9 programs per SM: enough reads in flight for 32-key tiles on this GPU
-    (HOPPER_H100, 48, 32, 1),  # 2.9: too few for 16-key tiles
+    (HOPPER_H100, 26, 64, 1),  # 1.58 programs per SM: too few reads in flight for 32-key tiles
+    (HOPPER_H100, 28, 32, 1),  # 1.70: enough on this GPU
+    (HOPPER_H100, 32, 32, 1),
+    (HOPPER_H100, 49, 32, 1),  # 2.97: too few for 16-key tiles
+    (HOPPER_H100, 50, 16, 1),  # 3.03: enough
     (HOPPER_H100, 56, 16, 1),  # 3.4-7.8: one wave of the 8-per-SM 16-key tile
     (HOPPER_H100, 64, 16, 1),
     (HOPPER_H100, 128, 16, 1),
@@ -313,9 +317,11 @@ FULL_GRID_TILES = [
     (HOPPER_H100, 224, 64, 1),  # 1792: 4.5 waves of 64-key tiles, the fullest last wave
     (HOPPER_H100, 256, 16, 1),  # 2048: 1.94 waves of 16-key tiles, 3.9 of 32-key ones: a tie to the more resident
     (HOPPER_H200, 32, 64, 1),  # 1.9 programs per SM: too few reads in flight for 32-key tiles at 4.8 TB/s
-    (HOPPER_H200, 40, 32, 1),
+    (HOPPER_H200, 38, 64, 1),  # 2.3: still too few
+    (HOPPER_H200, 40, 32, 1),  # 2.4: enough (measured even with the 64-key tile)
     (HOPPER_H200, 64, 32, 1),  # 3.9: enough for 32-key tiles, one wave of them; too few for 16-key ones
-    (HOPPER_H200, 72, 16, 1),  # 4.2 and up (batch 70): 16-key tiles (measured at batch 72)
+    (HOPPER_H200, 71, 64, 1),  # 4.3: still too few for 16-key tiles; 1.1 waves of 32-key ones, 1.4 of 64-key ones
+    (HOPPER_H200, 72, 16, 1),  # 4.36 and up: 16-key tiles
     (HOPPER_H200, 80, 16, 1),
     (HOPPER_H200, 128, 16, 1),
 ]

@@ -75,6 +75,7 @@ class _Tile:
     num_warps: int
     num_stages: int
     programs_per_sm: int = 3  # resident decode programs per SM (registers, shared memory): what a wave holds
+    read_latency_us: float = 0.95  # what its programs' K/V reads in flight must cover (`_fed`; fitted, see below)
 
 
 # Hopper (sm_90) table for fp16/bf16, keyed by (padded head size, "decode" | "decode_full_grid" | "decode_crowded" |
@@ -108,11 +109,17 @@ class _Tile:
 # enough K/V reads in flight on every SM to cover the DRAM latency at the GPU's bandwidth per SM (Little's law;
 # `_fed`), so the narrower a tile, the more programs per SM it needs, and the more so on a faster GPU; among those,
 # the one whose last wave is fullest (a grid within one wave counts as full), ties to the most resident programs.
-# _READ_LATENCY_US sits where the narrower tiles start to win. H200 (4.8 TB/s, 132 SMs): the 32-key tile lost 9-11
-# points at 1.9 programs per SM (batch 32), so above 0.87 us; the 16-key one won at 4.4 (batch 72, 1k / 4k: 85.5 /
-# 92.3% of copy bandwidth against 80.7 / 87.8 for the 64-key tile), so at most 0.98 us. H100 (3.35 TB/s): the
-# 32-key tile won from 1.9 (batch 32) and the 16-key one at 3.4 (batch 56). At 0.95 the H100 switches at 1.5 and
-# 2.95 programs per SM (batch 25 and 49) instead of 1.6 and 3.3.
+# Each tile's read latency (`_Tile.read_latency_us`) is fitted where it starts to win: how many of its K/V reads a
+# program keeps in flight differs from tile to tile, and the latency absorbs that. % of copy bandwidth at 1k / 4k
+# (docs/benchmarks.md, twenty-second and twenty-fourth passes). 32 keys: H100 (3.35 TB/s, 132 SMs) lost at 1.58
+# programs per SM (batch 26: 79.3 / 91.6 against 79.3 / 93.3 for 64 keys) and won at 1.70 (batch 28: 82.2 / 93.0
+# against 79.1 / 91.4), so 1.02-1.09 us; H200 (4.8 TB/s) lost 9-11 points at 1.94 (batch 32) and tied at 2.42
+# (batch 40), so about 1.09 us. 16 keys: H100 lost at 2.97 (batch 49: 87.4 / 95.0 against 90.0 / 98.5 for 32
+# keys) and won at 3.03 (batch 50: 88.1 / 94.8 against 86.4 / 92.8), so 0.96-0.98 us; H200 trailed 32 keys by 1-2.5
+# points at 3.88 (batch 64) and won at 4.36 (batch 72: 85.5 / 92.3 against 80.7 / 87.8 for 64 keys), so 0.87-0.98
+# us. The switches: 32 keys from batch 27 (H100) and 39 (H200), 16 keys from batch 50 and 72 (8 KV heads).
+# The other tiles keep 0.95 us, which matters only to grids of fewer programs than SMs (`_unsplit_busy`): there
+# one 64-key program feeds all of an H100's SM and 0.95 of an H200's, so on the H200 batch 13 splits, 14 does not.
 # Triton 3.6, head 128 (registers a thread, shared memory, resident programs): 64 keys 142, 70 KiB, 3; 32 keys 106,
 # 37 KiB, 4; 16 keys 122 (2 warps), 21 KiB, 8. H100, 1k / 4k, % of copy bandwidth (docs/benchmarks.md, seventeenth
 # pass), the tile now chosen against the best other: batch 40 (320 programs) 32 keys 87.6-89.5 / 99.4-99.8 against
@@ -120,12 +127,15 @@ class _Tile:
 # 96.7-96.9 / 101.9-102.0 against 89.5-90.1 / 94.6-95.3; batch 192 (1.45 waves of the 16-key tile) 32 keys 98.4 /
 # 101.9 against 97.4 / 100.4.
 _DECODE_ROWS = 32
-_READ_LATENCY_US = 0.95
 _HOPPER_16BIT: dict[tuple[int, str], _Tile] = {
     (64, "decode"): _Tile(block_m=32, tile_n=128, num_warps=4, num_stages=5),
     (128, "decode"): _Tile(block_m=32, tile_n=64, num_warps=4, num_stages=5),
-    (128, "decode_full_grid"): _Tile(block_m=32, tile_n=32, num_warps=4, num_stages=5, programs_per_sm=4),
-    (128, "decode_crowded"): _Tile(block_m=32, tile_n=16, num_warps=2, num_stages=5, programs_per_sm=8),
+    (128, "decode_full_grid"): _Tile(
+        block_m=32, tile_n=32, num_warps=4, num_stages=5, programs_per_sm=4, read_latency_us=1.05
+    ),
+    (128, "decode_crowded"): _Tile(
+        block_m=32, tile_n=16, num_warps=2, num_stages=5, programs_per_sm=8, read_latency_us=0.97
+    ),
     (256, "decode"): _Tile(block_m=32, tile_n=32, num_warps=4, num_stages=5),
     (64, "prefill"): _Tile(block_m=128, tile_n=64, num_warps=8, num_stages=2),
     (128, "prefill"): _Tile(block_m=128, tile_n=32, num_warps=4, num_stages=3),
@@ -288,9 +298,10 @@ def paged_attention_config(
         return _with_short_queries(cfg, target, queries_per_kv, head_padded, dtype, max_query_len)
     programs = num_seqs * triton.cdiv(num_kv_heads, cfg.kv_heads_per_program)  # unsplit
     if target.interpret:
-        per_sm, few = 1, False
+        tile, per_sm, few = None, 1, False
     else:
-        per_sm = _gpu_tile(head_padded, dtype, _phase(queries_per_kv, max_query_len)).programs_per_sm
+        tile = _gpu_tile(head_padded, dtype, _phase(queries_per_kv, max_query_len))  # cfg's
+        per_sm = tile.programs_per_sm
         few = _few_programs(programs, target.num_sms, per_sm)
     if num_splits is None and target.interpret:
         num_splits = 1
@@ -300,7 +311,7 @@ def paged_attention_config(
             cfg, num_splits = _with_tile(cfg, full_grid), 1
         else:
             chunk = _merge_chunk(cfg, head_padded, target, programs)
-            busy = _unsplit_busy(cfg, programs, head_padded * dtype.itemsize, target)
+            busy = _unsplit_busy(tile, programs, head_padded * dtype.itemsize, target)
             num_splits = choose_num_splits(
                 programs, target.num_sms, max_seq_len, cfg.tile_n, chunk, programs_per_sm=per_sm, unsplit_busy=busy
             )
@@ -401,19 +412,19 @@ def _full_grid_tile(
 
 def _fed(tile: _Tile, programs_per_sm: float, row_bytes: int, target: AttentionTarget) -> bool:
     """Whether `programs_per_sm` programs of `tile`, each reading one K and one V tile of `row_bytes` rows at a
-    time, keep the SM's share of the DRAM bandwidth busy for _READ_LATENCY_US."""
-    return programs_per_sm * tile.tile_n * 2 * row_bytes >= _bytes_in_flight_per_sm(target)
+    time, keep the SM's share of the DRAM bandwidth busy for the tile's read latency."""
+    return programs_per_sm * tile.tile_n * 2 * row_bytes >= _bytes_in_flight_per_sm(tile, target)
 
 
-def _bytes_in_flight_per_sm(target: AttentionTarget) -> float:
-    """Reads an SM must keep in flight to draw its share of the DRAM bandwidth (Little's law)."""
-    return target.dram_gbs / target.num_sms * 1e3 * _READ_LATENCY_US
+def _bytes_in_flight_per_sm(tile: _Tile, target: AttentionTarget) -> float:
+    """Reads an SM running `tile` must keep in flight to draw its share of the DRAM bandwidth (Little's law)."""
+    return target.dram_gbs / target.num_sms * 1e3 * tile.read_latency_us
 
 
-def _unsplit_busy(cfg: PagedAttentionConfig, programs: int, row_bytes: int, target: AttentionTarget) -> float:
-    """Share of the DRAM bandwidth an unsplit grid of `programs` (fewer than SMs) of `cfg`'s tile draws: the SMs
-    it occupies, one program each, each as far as that program's K and V tile reads in flight feed it."""
-    fed = min(1.0, cfg.tile_n * 2 * row_bytes / _bytes_in_flight_per_sm(target))
+def _unsplit_busy(tile: _Tile, programs: int, row_bytes: int, target: AttentionTarget) -> float:
+    """Share of the DRAM bandwidth an unsplit grid of `programs` (fewer than SMs) of `tile` draws: the SMs it
+    occupies, one program each, each as far as that program's K and V tile reads in flight feed it."""
+    fed = min(1.0, tile.tile_n * 2 * row_bytes / _bytes_in_flight_per_sm(tile, target))
     return programs / target.num_sms * fed
 
 
