@@ -75,7 +75,7 @@ class _Tile:
     num_warps: int
     num_stages: int
     programs_per_sm: int = 3  # resident decode programs per SM (registers, shared memory): what a wave holds
-    read_latency_us: float = 0.95  # what its programs' K/V reads in flight must cover (`_fed`; fitted, see below)
+    read_latency_us: float = 0.95  # what its programs' K/V reads in flight must cover (`_feed`; fitted, see below)
 
 
 # Hopper (sm_90) table for fp16/bf16, keyed by (padded head size, "decode" | "decode_full_grid" | "decode_crowded" |
@@ -107,7 +107,7 @@ class _Tile:
 # per SM, and a grid of up to that many spreads over the SMs within one program of each other, with no part-empty
 # second wave. Which tile a grid of at least one program per SM gets (`_full_grid_tile`): first, a tile must keep
 # enough K/V reads in flight on every SM to cover the DRAM latency at the GPU's bandwidth per SM (Little's law;
-# `_fed`), so the narrower a tile, the more programs per SM it needs, and the more so on a faster GPU; among those,
+# `_feed`), so the narrower a tile, the more programs per SM it needs, and the more so on a faster GPU; among those,
 # the one whose last wave is fullest (a grid within one wave counts as full), ties to the most resident programs.
 # Each tile's read latency (`_Tile.read_latency_us`) is fitted where it starts to win: how many of its K/V reads a
 # program keeps in flight differs from tile to tile, and the latency absorbs that. % of copy bandwidth at 1k / 4k
@@ -393,7 +393,7 @@ def _full_grid_tile(
     target: AttentionTarget,
 ) -> _Tile | None:
     """For a decode grid of `programs` >= num_sms unsplit programs where the table has a "decode_full_grid" tile:
-    of the decode tiles that keep enough reads in flight (`_fed`; the widest whatever), the one whose last wave of
+    of the decode tiles that keep enough reads in flight (`_feed`; the widest whatever), the one whose last wave of
     resident programs is fullest, a grid within one wave counting as full; ties to the most resident. Else None."""
     num_sms = target.num_sms
     narrow = _gpu_tile(head_padded, dtype, "decode_full_grid")
@@ -401,7 +401,7 @@ def _full_grid_tile(
         return None
     crowded, wide = _gpu_tile(head_padded, dtype, "decode_crowded"), _gpu_tile(head_padded, dtype, "decode")
     tiles = [t for t in (crowded, narrow, wide) if t is not None]  # most resident first
-    fed = [t for t in tiles if _fed(t, programs / num_sms, head_padded * dtype.itemsize, target)] or [wide]
+    fed = [t for t in tiles if _feed(t, programs / num_sms, head_padded * dtype.itemsize, target) >= 1.0] or [wide]
 
     def last_wave_fill(tile: _Tile) -> float:
         resident = tile.programs_per_sm * num_sms
@@ -410,21 +410,17 @@ def _full_grid_tile(
     return max(fed, key=last_wave_fill)  # the first of equals: the most resident
 
 
-def _fed(tile: _Tile, programs_per_sm: float, row_bytes: int, target: AttentionTarget) -> bool:
-    """Whether `programs_per_sm` programs of `tile`, each reading one K and one V tile of `row_bytes` rows at a
-    time, keep the SM's share of the DRAM bandwidth busy for the tile's read latency."""
-    return programs_per_sm * tile.tile_n * 2 * row_bytes >= _bytes_in_flight_per_sm(tile, target)
-
-
-def _bytes_in_flight_per_sm(tile: _Tile, target: AttentionTarget) -> float:
-    """Reads an SM running `tile` must keep in flight to draw its share of the DRAM bandwidth (Little's law)."""
-    return target.dram_gbs / target.num_sms * 1e3 * tile.read_latency_us
+def _feed(tile: _Tile, programs_per_sm: float, row_bytes: int, target: AttentionTarget) -> float:
+    """The share of its SM's part of the DRAM bandwidth that `programs_per_sm` programs of `tile` keep busy, each
+    with one K and one V tile of `row_bytes` rows in flight for the tile's read latency (Little's law; >= 1: all)."""
+    in_flight = programs_per_sm * tile.tile_n * 2 * row_bytes
+    return in_flight / (target.dram_gbs / target.num_sms * 1e3 * tile.read_latency_us)
 
 
 def _unsplit_busy(tile: _Tile, programs: int, row_bytes: int, target: AttentionTarget) -> float:
     """Share of the DRAM bandwidth an unsplit grid of `programs` (fewer than SMs) of `tile` draws: the SMs it
     occupies, one program each, each as far as that program's K and V tile reads in flight feed it."""
-    fed = min(1.0, tile.tile_n * 2 * row_bytes / _bytes_in_flight_per_sm(tile, target))
+    fed = min(1.0, _feed(tile, 1, row_bytes, target))
     return programs / target.num_sms * fed
 
 
