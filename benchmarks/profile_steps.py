@@ -2,6 +2,7 @@
 
     python benchmarks/profile_steps.py --out results/                     # 8B shape: batch-1 decode, offline steps
     python benchmarks/profile_steps.py --out /tmp/smoke --preset tiny     # toy model, any device
+    python benchmarks/profile_steps.py --out results/ --quant awq         # the AWQ 4-bit variant
 
 Two phases on the Llama-3.1-8B shape with dummy weights, each timed without the profiler first (wall ms per step),
 then profiled over the same number of steps for the kernels:
@@ -36,7 +37,7 @@ from bench_utils import (  # noqa: E402
     markdown_table,
     write_results,
 )
-from e2e_setup import PRESETS, build_engine, write_model_dir  # noqa: E402
+from e2e_setup import PRESETS, QUANT_CONFIGS, build_engine, write_model_dir  # noqa: E402
 
 from tritonllm.entrypoints.bench import synthetic_workload, warm_up  # noqa: E402
 from tritonllm.sampling_params import SamplingParams  # noqa: E402
@@ -155,8 +156,9 @@ def offline_phase(engine, device, args, counter: StepCounter) -> dict[str, Any]:
 
 def render(results: dict[str, Any]) -> str:
     env = results["environment"]
+    variant = f", {results['quant']}" if results["quant"] else ""
     parts = [
-        f"# Step profile: {results['preset']} shape, random weights",
+        f"# Step profile: {results['preset']} shape{variant}, random weights",
         f"{env['device']} · torch {env['torch']} · triton {env['triton']} · commit {env.get('commit', '?')} · "
         f"{env['date']}",
     ]
@@ -179,6 +181,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="Directory for profile.json / profile.md.")
     p.add_argument("--preset", default="llama-3.1-8b", choices=sorted(PRESETS))
+    p.add_argument("--quant", default=None, choices=sorted(QUANT_CONFIGS), help="A 4-bit variant of the preset.")
     p.add_argument("--phases", default="decode,offline", help="Comma-separated subset of decode, offline.")
     p.add_argument("--steps", type=int, default=30, help="Steps timed, then as many profiled, per phase.")
     p.add_argument("--prompt-len", type=int, default=512, help="Prompt of the batch-1 decode phase.")
@@ -197,10 +200,12 @@ def main() -> None:
 
     device = bench_device(args.device)
     apply_kernel_override_args(args)
-    results: dict[str, Any] = {"environment": environment(device), "preset": args.preset, "phases": []}
+    results: dict[str, Any] = {
+        "environment": environment(device), "preset": args.preset, "quant": args.quant, "phases": []
+    }  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         config = PRESETS[args.preset]
-        model_dir = write_model_dir(Path(tmp), args.preset, config)
+        model_dir = write_model_dir(Path(tmp), args.preset, config, args.quant)
         args.max_model_len = args.max_model_len or min(4096, config["max_position_embeddings"])
         engine, start = build_engine(
             model_dir,

@@ -61,7 +61,8 @@ def _dense_weight_kernel(
     tl.store(ptrs, w.to(out_ptr.dtype.element_ty), mask=mask_kw[None, :, None] & mask_n[None, None, :])
 
 
-def dense_weight(
+def write_dense_weight(
+    out: torch.Tensor,
     qweight: torch.Tensor,
     qzeros: torch.Tensor,
     scales: torch.Tensor,
@@ -69,15 +70,14 @@ def dense_weight(
     bits: int,
     group: int,
     zero_offset: int,
-    dtype: torch.dtype,
     block_n: int,
     block_k: int,
     num_warps: int,
 ) -> torch.Tensor:
-    """W^T [K, N] in `dtype`, with row perm[i] holding packed row i (row i without `perm`); `group` is the group
-    size in rows (K for a single group). Shapes are checked by `gptq_gemm`."""
+    """Writes W^T [K, N] into `out` (any strides; N = qweight's columns, which may be a column slice whose first
+    column starts a packed word of qzeros' slice), row perm[i] holding packed row i (row i without `perm`);
+    `group` is the group size in rows (K for a single group). Shapes are checked by `gptq_gemm`."""
     k, n = qweight.shape[0] * (32 // bits), qweight.shape[1]
-    out = torch.empty(k, n, dtype=dtype, device=qweight.device)
     grid = (triton.cdiv(k, block_k), triton.cdiv(n, block_n))
     _dense_weight_kernel[grid](
         qweight,
@@ -107,10 +107,45 @@ def dense_weight(
     return out
 
 
+def dense_weight(
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
+    perm: torch.Tensor | None,
+    bits: int,
+    group: int,
+    zero_offset: int,
+    dtype: torch.dtype,
+    block_n: int,
+    block_k: int,
+    num_warps: int,
+) -> torch.Tensor:
+    """W^T [K, N] in `dtype` (see `write_dense_weight`)."""
+    out = torch.empty(qweight.shape[0] * (32 // bits), qweight.shape[1], dtype=dtype, device=qweight.device)
+    return write_dense_weight(out, qweight, qzeros, scales, perm, bits, group, zero_offset, block_n, block_k, num_warps)
+
+
 def dequantized_matmul(x2, qweight, qzeros, scales, perm, bias, bits, group, zero_offset, config) -> torch.Tensor:
-    """y [M, N] = x2 [M, K] @ dense_weight(...) (+ bias) with the dense weight's tile from `config`."""
-    w = dense_weight(
-        qweight, qzeros, scales, perm, bits, group, zero_offset, x2.dtype, config.block_n, config.block_k,
-        config.num_warps,
-    )  # fmt: skip
-    return torch.mm(x2, w) if bias is None else torch.addmm(bias.to(x2.dtype), x2, w)
+    """y [M, N] = x2 [M, K] @ W^T (+ bias), the dense W^T written with `config`'s tile, `config.chunk_n` columns
+    at a time where that is set: each chunk is multiplied while it is still in L2, so its write and the matmul's
+    read of it stay off DRAM (the chunks share one buffer)."""
+    m, k = x2.shape
+    n = qweight.shape[1]
+    tile = (config.block_n, config.block_k, config.num_warps)
+    if not 0 < config.chunk_n < n:
+        w = dense_weight(qweight, qzeros, scales, perm, bits, group, zero_offset, x2.dtype, *tile)
+        return torch.mm(x2, w) if bias is None else torch.addmm(bias.to(x2.dtype), x2, w)
+    pack = 32 // bits
+    out = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
+    buffer = torch.empty(k, config.chunk_n, dtype=x2.dtype, device=x2.device)
+    for start in range(0, n, config.chunk_n):
+        cols = slice(start, min(start + config.chunk_n, n))
+        w = buffer[:, : cols.stop - start]
+        # chunk_n is a multiple of the words qzeros packs along N, so the slice starts on a word.
+        write_dense_weight(w, qweight[:, cols], qzeros[:, start // pack :], scales[:, cols], perm, bits, group,
+                           zero_offset, *tile)  # fmt: skip
+        if bias is None:
+            torch.mm(x2, w, out=out[:, cols])
+        else:
+            torch.addmm(bias[cols].to(x2.dtype), x2, w, out=out[:, cols])
+    return out
