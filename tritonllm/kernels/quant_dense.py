@@ -6,6 +6,9 @@ dequantizes every tile in registers before each MMA, runs at well under half the
 [K, N] in x's dtype costs one pass over K * N elements, independent of M, so past the crossover the dense matmul's
 speed wins (vLLM's AWQ layer makes the same switch at 256 tokens).
 
+That write and the matmul's read of W^T go to DRAM unless W^T is written `chunk_n` columns at a time, each chunk
+multiplied while it is still in L2 (QuantGemmConfig.chunk_n; off by default until timed: docs/benchmarks.md).
+
 An act-order permutation is folded into the rows written: packed row i multiplies x[:, perm[i]], so it is stored
 as row perm[i] and the matmul takes x as it is.
 """

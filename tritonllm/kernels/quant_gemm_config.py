@@ -7,7 +7,8 @@ Three paths, picked per call from M:
   * GEMM (neither flag): tl.dot over dequantized tiles, BLOCK_M >= 16 (the MMA height); small M splits K as
     well, larger M runs unsplit with wgmma-sized tiles; `swap_ab` computes y^T = W^T x^T (quant_gemm.py).
   * dequantize + matmul (`dequant=True`, from `DEQUANT_MIN_M` rows): a dense W^T written in [BLOCK_K, BLOCK_N]
-    tiles, then cuBLAS (quant_dense.py); block_m, split_k and num_stages do not apply.
+    tiles, then cuBLAS (quant_dense.py), `chunk_n` columns at a time where set; block_m, split_k and num_stages
+    do not apply.
 
 `quant_gemm_config` reads the Hopper table `HOPPER_TABLE` first (rows keyed by M bucket and N / K ranges, filled
 from `python benchmarks/quant_gemm.py --sweep`, which times `sweep_candidates` on the GPU and prints rows in the
