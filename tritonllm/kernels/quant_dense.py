@@ -64,8 +64,7 @@ def _dense_weight_kernel(
     tl.store(ptrs, w.to(out_ptr.dtype.element_ty), mask=mask_kw[None, :, None] & mask_n[None, None, :])
 
 
-def write_dense_weight(
-    out: torch.Tensor,
+def dense_weight(
     qweight: torch.Tensor,
     qzeros: torch.Tensor,
     scales: torch.Tensor,
@@ -73,14 +72,18 @@ def write_dense_weight(
     bits: int,
     group: int,
     zero_offset: int,
+    dtype: torch.dtype,
     block_n: int,
     block_k: int,
     num_warps: int,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Writes W^T [K, N] into `out` (any strides; N = qweight's columns, which may be a column slice whose first
-    column starts a packed word of qzeros' slice), row perm[i] holding packed row i (row i without `perm`);
-    `group` is the group size in rows (K for a single group). Shapes are checked by `gptq_gemm`."""
+    """W^T [K, N] in `dtype`, written into `out` where given (any strides; N = qweight's columns, which may be a
+    column slice whose first column starts a packed word of qzeros' slice), row perm[i] holding packed row i (row i
+    without `perm`); `group` is the group size in rows (K for a single group). Shapes are checked by `gptq_gemm`."""
     k, n = qweight.shape[0] * (32 // bits), qweight.shape[1]
+    if out is None:
+        out = torch.empty(k, n, dtype=dtype, device=qweight.device)
     grid = (triton.cdiv(k, block_k), triton.cdiv(n, block_n))
     _dense_weight_kernel[grid](
         qweight,
@@ -110,43 +113,22 @@ def write_dense_weight(
     return out
 
 
-def dense_weight(
-    qweight: torch.Tensor,
-    qzeros: torch.Tensor,
-    scales: torch.Tensor,
-    perm: torch.Tensor | None,
-    bits: int,
-    group: int,
-    zero_offset: int,
-    dtype: torch.dtype,
-    block_n: int,
-    block_k: int,
-    num_warps: int,
-) -> torch.Tensor:
-    """W^T [K, N] in `dtype` (see `write_dense_weight`)."""
-    out = torch.empty(qweight.shape[0] * (32 // bits), qweight.shape[1], dtype=dtype, device=qweight.device)
-    return write_dense_weight(out, qweight, qzeros, scales, perm, bits, group, zero_offset, block_n, block_k, num_warps)
-
-
 def dequantized_matmul(x2, qweight, qzeros, scales, perm, bias, bits, group, zero_offset, config) -> torch.Tensor:
     """y [M, N] = x2 [M, K] @ W^T (+ bias), the dense W^T written with `config`'s tile, `config.chunk_n` columns
     at a time where that is set: each chunk is multiplied while it is still in L2, so its write and the matmul's
     read of it stay off DRAM (the chunks share one buffer)."""
     m, k = x2.shape
     n = qweight.shape[1]
-    tile = (config.block_n, config.block_k, config.num_warps)
-    if not 0 < config.chunk_n < n:
-        w = dense_weight(qweight, qzeros, scales, perm, bits, group, zero_offset, x2.dtype, *tile)
-        return torch.mm(x2, w) if bias is None else torch.addmm(bias.to(x2.dtype), x2, w)
+    chunk = config.chunk_n if 0 < config.chunk_n < n else max(n, 1)  # one chunk of all columns by default
     pack = 32 // bits
     out = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
-    buffer = torch.empty(k, config.chunk_n, dtype=x2.dtype, device=x2.device)
-    for start in range(0, n, config.chunk_n):
-        cols = slice(start, min(start + config.chunk_n, n))
+    buffer = torch.empty(k, chunk, dtype=x2.dtype, device=x2.device)
+    for start in range(0, n, chunk):
+        cols = slice(start, min(start + chunk, n))
         w = buffer[:, : cols.stop - start]
         # chunk_n is a multiple of the words qzeros packs along N, so the slice starts on a word.
-        write_dense_weight(w, qweight[:, cols], qzeros[:, start // pack :], scales[:, cols], perm, bits, group,
-                           zero_offset, *tile)  # fmt: skip
+        dense_weight(qweight[:, cols], qzeros[:, start // pack :], scales[:, cols], perm, bits, group, zero_offset,
+                     x2.dtype, config.block_n, config.block_k, config.num_warps, out=w)  # fmt: skip
         if bias is None:
             torch.mm(x2, w, out=out[:, cols])
         else:
