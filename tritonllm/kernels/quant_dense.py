@@ -13,10 +13,13 @@ An act-order permutation is folded into the rows written: packed row i multiplie
 as row perm[i] and the matmul takes x as it is.
 """
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
+from tritonllm.kernels import dense_ahead
 from tritonllm.kernels.quant_gemm_common import dequant_words, grouping, load_word_tile
 
 
@@ -114,11 +117,20 @@ def dense_weight(
 
 
 def dequantized_matmul(x2, qweight, qzeros, scales, perm, bias, bits, group, zero_offset, config) -> torch.Tensor:
-    """y [M, N] = x2 [M, K] @ W^T (+ bias), the dense W^T written with `config`'s tile, `config.chunk_n` columns
-    at a time where that is set: each chunk is multiplied while it is still in L2, so its write and the matmul's
-    read of it stay off DRAM (the chunks share one buffer)."""
+    """y [M, N] = x2 [M, K] @ W^T (+ bias), the dense W^T written with `config`'s tile: inside a forward pass with
+    `dense_ahead` on, written ahead on a side stream during the previous layer's matmul where it was predicted;
+    else `config.chunk_n` columns at a time where that is set, each chunk multiplied while it is still in L2, so
+    its write and the matmul's read of it stay off DRAM (the chunks share one buffer)."""
     m, k = x2.shape
     n = qweight.shape[1]
+    write = functools.partial(dense_weight, qweight, qzeros, scales, perm, bits, group, zero_offset, x2.dtype,
+                              config.block_n, config.block_k, config.num_warps)  # fmt: skip
+    ahead = dense_ahead.active()
+    if ahead is not None and not 0 < config.chunk_n < n:
+        w = ahead.dense_weight(
+            (qweight.data_ptr(), tuple(qweight.shape), x2.dtype), (k, n), lambda view: write(out=view)
+        )
+        return torch.mm(x2, w) if bias is None else torch.addmm(bias.to(x2.dtype), x2, w)
     chunk = config.chunk_n if 0 < config.chunk_n < n else max(n, 1)  # one chunk of all columns by default
     pack = 32 // bits
     out = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
