@@ -126,3 +126,15 @@ def test_quantized_layers_match_the_reference_with_weights_written_ahead(dtype):
             expected = gptq_gemm_ref(expected, *layer, 4, model.group_size).to(dtype)
         assert_close(model(x), expected, dtype, scale=2.0 * len(model.layers))
     assert len(ahead.successor) == len(model.layers) - 1  # the layers' calls went through it
+
+
+@pytest.mark.parametrize(("setting", "on"), [(None, False), ("0", False), ("1", True)])
+def test_the_switch_decides_whether_a_model_gets_hooks(setting, on, monkeypatch):
+    if setting is None:
+        monkeypatch.delenv("TRITONLLM_DENSE_AHEAD", raising=False)
+    else:
+        monkeypatch.setenv("TRITONLLM_DENSE_AHEAD", setting)
+    model = _Pass({}, [])
+    ahead = dense_ahead.enable_dense_ahead(model, torch.device("cpu"))
+    assert (ahead is not None) == on
+    assert (len(model._forward_pre_hooks) == 1) == on

@@ -10,7 +10,7 @@ A model's forward pass is one scope (`DenseAhead.forward_hooks`): the first call
 and no write is left pending when the pass ends, which keeps a pass captured in a CUDA graph self-contained.
 Without a GPU the same bookkeeping runs with every write in order, which is how the tests check it.
 
-On by default; `TRITONLLM_DENSE_AHEAD=0` turns it off (for A/B timing).
+Off until timed on a GPU (docs/benchmarks.md): `TRITONLLM_DENSE_AHEAD=1` turns it on.
 """
 
 from __future__ import annotations
@@ -140,8 +140,8 @@ def active() -> DenseAhead | None:
 
 
 def enable_dense_ahead(model: nn.Module, device: torch.device) -> DenseAhead | None:
-    """Write 4-bit layers' W^T ahead during `model`'s forward passes (None where turned off)."""
-    if os.environ.get("TRITONLLM_DENSE_AHEAD", "1") == "0":
+    """Write 4-bit layers' W^T ahead during `model`'s forward passes (None unless turned on)."""
+    if os.environ.get("TRITONLLM_DENSE_AHEAD", "0") != "1":
         return None
     ahead = DenseAhead(device)
     ahead.forward_hooks(model)

@@ -52,7 +52,7 @@ class ModelRunner:
         self.num_blocks = 0
         self.decode_graphs: DecodeGraphRunner | None = None  # set by capture_decode_graphs
         self.mixed_graphs: MixedGraphRunner | None = None  # likewise
-        # 4-bit layers at high concurrency write the next layer's dense W^T during this one's matmul.
+        # 4-bit layers at high concurrency may write the next layer's dense W^T during this one's matmul.
         self.dense_ahead = enable_dense_ahead(model, device)
 
     # ---- KV cache ---------------------------------------------------------------------------------
