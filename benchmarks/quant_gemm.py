@@ -2,7 +2,6 @@
 
     python benchmarks/quant_gemm.py [--dtype float16] [--group-size 128] [--out results/]
     python benchmarks/quant_gemm.py --sweep [--sweep-ms 1,4,16,64,128,512,2048]   # launch configs for the table
-    python benchmarks/quant_gemm.py --chunks 512,1024,2048 --ms 256,1024,4096      # dequantize + matmul in chunks
 
 Shapes are Llama-3.1-8B's projections (K, N); M runs from decode (1) to prefill. The default run prints, per
 shape and M, microseconds per call of the dense matmul (cuBLAS), the W4A16 GEMM's default launch (GPTQ layout with
@@ -13,8 +12,7 @@ shape. Each call is timed as a model step runs it: CUDA graph replays over copie
 exceed L2 (bench_utils.stream_us), so no host time and no L2 flush enters the figures. `--sweep` times every
 candidate launch of `sweep_candidates` (stage 1 with the automatic split-K, stage 2 the three best with each split
 of `sweep_splits`), checks each result against the default launch's, and prints the best per (M, shape) plus
-`HOPPER_TABLE` rows to paste into tritonllm/kernels/quant_gemm_config.py. `--chunks` times dequantize + matmul
-whole and with the dense W^T written and multiplied that many columns at a time, against the dense matmul.
+`HOPPER_TABLE` rows to paste into tritonllm/kernels/quant_gemm_config.py.
 """
 
 from __future__ import annotations
@@ -255,37 +253,6 @@ def run_sweep(shapes, ms, dtype: torch.dtype, g: int, sms: int, device: torch.de
     return {"best": best_rows, "all": results, "markdown": md}
 
 
-def run_chunks(shapes, batches, chunks, dtype: torch.dtype, g: int, device: torch.device) -> dict:
-    """Dequantize + matmul whole and in column chunks (`QuantGemmConfig.chunk_n`), per shape and M."""
-    rows, results = [], []
-    for name, (k, n) in shapes.items():
-        dense = stream_copies(torch.randn(k, n, device=device, dtype=dtype))
-        packed = stream_copies(_tensors(k, n, g, device)[0])
-        for m in batches:
-            x = torch.randn(m, k, device=device, dtype=dtype)
-            expected = gptq_gemm(x, *packed[0], 4, g, 0, config=DEQUANT_CONFIG).float()
-            dense_us = stream_us(lambda w, x=x: x @ w, dense, device)
-            whole_us = stream_us(lambda t, x=x: gptq_gemm(x, *t, 4, g, 0, config=DEQUANT_CONFIG), packed, device)
-            chunk_us = {}
-            for c in (c for c in chunks if c < n):
-                cfg = dataclasses.replace(DEQUANT_CONFIG, block_n=min(DEQUANT_CONFIG.block_n, c), chunk_n=c)
-                y = gptq_gemm(x, *packed[0], 4, g, 0, config=cfg)
-                # The same products summed in the same order, so the results agree up to cuBLAS's choice of kernel.
-                assert torch.allclose(y.float(), expected, atol=2e-2, rtol=2e-2), f"{name} M={m} chunk {c}"
-                chunk_us[c] = stream_us(lambda t, x=x, cfg=cfg: gptq_gemm(x, *t, 4, g, 0, config=cfg), packed, device)
-            best = min(chunk_us, key=chunk_us.get, default=None)
-            results.append({"shape": name, "m": m, "dense_us": dense_us, "whole_us": whole_us, "chunk_us": chunk_us})
-            rows.append(
-                [name, m, dense_us, whole_us]
-                + [chunk_us.get(c, float("nan")) for c in chunks]
-                + [dense_us / whole_us, dense_us / chunk_us[best] if best else float("nan"), best or "-"]
-            )
-            log(f"{name:>8} M={m:<5} dense {dense_us:8.1f}  whole {whole_us:8.1f}  chunks {chunk_us}")
-    headers = ["shape", "M", "dense us", "deq+mm us"] + [f"{c} cols us" for c in chunks]
-    md = markdown_table(headers + ["dense / whole", "dense / best chunk", "best chunk"], rows)
-    return {"results": results, "markdown": md}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
@@ -293,7 +260,6 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="time the candidate launches instead (minutes)")
     parser.add_argument("--sweep-ms", default=",".join(map(str, SWEEP_MS)), help="M values the sweep times")
     parser.add_argument("--ms", default=",".join(map(str, BATCHES)), help="M values the default run times")
-    parser.add_argument("--chunks", default=None, help="time dequantize + matmul in chunks of these columns")
     parser.add_argument("--out", default=None, help="also write quant_gemm.json / .md here")
     parser.add_argument("--device", default=None, help="default: cuda, or the CPU interpreter without a GPU")
     parser.add_argument("--preset", default="llama8b", choices=["llama8b", "tiny"])
@@ -308,15 +274,11 @@ def main() -> None:
     if args.sweep:
         ms = TINY_BATCHES if tiny else tuple(int(v) for v in args.sweep_ms.split(","))
         res = run_sweep(shapes, ms, dtype, g, sms, device, limit=3 if tiny else 0)
-    elif args.chunks:
-        chunks = [32] if tiny else [int(v) for v in args.chunks.split(",")]
-        res = run_chunks(shapes, batches, chunks, dtype, g, device)
     else:
         res = run_default(shapes, batches, dtype, g, sms, device)
     res["environment"] = environment(device)
     if args.out:
-        name = "quant_gemm_sweep" if args.sweep else "quant_gemm_chunks" if args.chunks else "quant_gemm"
-        write_results(args.out, name, res, res["markdown"])
+        write_results(args.out, "quant_gemm_sweep" if args.sweep else "quant_gemm", res, res["markdown"])
     else:
         print(res["markdown"], flush=True)
 

@@ -41,8 +41,6 @@ KINDS = {
     "dot": QuantGemmConfig(16, 32, 32, 1, 4, 2),
     "dot_swap": QuantGemmConfig(16, 32, 32, 1, 4, 2, swap_ab=True),  # y^T = W^T x^T
     "dequant": QuantGemmConfig(1, 32, 32, 1, 4, 1, dequant=True),
-    # W^T written and multiplied 32 columns at a time: several chunks, the last one short, on most drawn N
-    "dequant_chunks": QuantGemmConfig(1, 32, 32, 1, 4, 1, dequant=True, chunk_n=32),
 }
 
 
@@ -101,10 +99,6 @@ def _weights(k, n, bits, group_size, seed):
 @example(
     seed=10, m=3, bits=2, n_words=5, k_words=17, group_size=32, act_order=False, zero_offset=1, has_bias=False,
     dtype=torch.float32, kind="gemv", split=3,
-)  # fmt: skip
-@example(
-    seed=14, m=17, bits=2, n_words=5, k_words=17, group_size=64, act_order=True, zero_offset=0, has_bias=True,
-    dtype=torch.float16, kind="dequant_chunks", split=1,
 )  # fmt: skip
 @example(
     seed=13, m=DEQUANT_MIN_M + 3, bits=4, n_words=5, k_words=17, group_size=64, act_order=True, zero_offset=1,
@@ -309,9 +303,6 @@ def _fields(cfg):
         (QuantGemmConfig(1, 32, 32, 1, 4, 1, gemv=True, dequant=True), "not both"),
         (QuantGemmConfig(1, 32, 32, 2, 4, 1, dequant=True), "does not split"),
         (QuantGemmConfig(1, 32, 12, 1, 4, 1, dequant=True), "powers of two"),
-        (QuantGemmConfig(16, 32, 32, 1, 4, 2, chunk_n=32), "dequantize \\+ matmul only"),
-        (QuantGemmConfig(1, 32, 32, 1, 4, 1, dequant=True, chunk_n=48), "multiple of block_n"),
-        (QuantGemmConfig(1, 32, 32, 1, 4, 1, dequant=True, chunk_n=-32), "chunk_n"),
     ],
 )
 def test_bad_configs_are_refused(cfg, message):

@@ -6,8 +6,9 @@ dequantizes every tile in registers before each MMA, runs at well under half the
 [K, N] in x's dtype costs one pass over K * N elements, independent of M, so past the crossover the dense matmul's
 speed wins (vLLM's AWQ layer makes the same switch at 256 tokens).
 
-That write and the matmul's read of W^T go to DRAM unless W^T is written `chunk_n` columns at a time, each chunk
-multiplied while it is still in L2 (QuantGemmConfig.chunk_n; off by default until timed: docs/benchmarks.md).
+That write is bound by memory while the matmul is bound by the tensor cores: inside a forward pass the next layer's
+W^T can be written on a side stream while this layer's matmul runs (dense_ahead.py). Writing and multiplying W^T
+in column chunks that stay in L2 lost to the whole write at up to 1,024 rows on the H100 (docs/benchmarks.md).
 
 An act-order permutation is folded into the rows written: packed row i multiplies x[:, perm[i]], so it is stored
 as row perm[i] and the matmul takes x as it is.
@@ -81,8 +82,7 @@ def dense_weight(
     num_warps: int,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """W^T [K, N] in `dtype`, written into `out` where given (any strides; N = qweight's columns, which may be a
-    column slice whose first column starts a packed word of qzeros' slice), row perm[i] holding packed row i (row i
+    """W^T [K, N] in `dtype`, written into `out` where given (any strides), row perm[i] holding packed row i (row i
     without `perm`); `group` is the group size in rows (K for a single group). Shapes are checked by `gptq_gemm`."""
     k, n = qweight.shape[0] * (32 // bits), qweight.shape[1]
     if out is None:
@@ -118,31 +118,15 @@ def dense_weight(
 
 def dequantized_matmul(x2, qweight, qzeros, scales, perm, bias, bits, group, zero_offset, config) -> torch.Tensor:
     """y [M, N] = x2 [M, K] @ W^T (+ bias), the dense W^T written with `config`'s tile: inside a forward pass with
-    `dense_ahead` on, written ahead on a side stream during the previous layer's matmul where it was predicted;
-    else `config.chunk_n` columns at a time where that is set, each chunk multiplied while it is still in L2, so
-    its write and the matmul's read of it stay off DRAM (the chunks share one buffer)."""
-    m, k = x2.shape
-    n = qweight.shape[1]
+    dense_ahead on, by the previous layer's call on a side stream where it predicted this layer, else here."""
+    k, n = qweight.shape[0] * (32 // bits), qweight.shape[1]
     write = functools.partial(dense_weight, qweight, qzeros, scales, perm, bits, group, zero_offset, x2.dtype,
                               config.block_n, config.block_k, config.num_warps)  # fmt: skip
     ahead = dense_ahead.active()
-    if ahead is not None and not 0 < config.chunk_n < n:
+    if ahead is None:
+        w = write()
+    else:
         w = ahead.dense_weight(
             (qweight.data_ptr(), tuple(qweight.shape), x2.dtype), (k, n), lambda view: write(out=view)
         )
-        return torch.mm(x2, w) if bias is None else torch.addmm(bias.to(x2.dtype), x2, w)
-    chunk = config.chunk_n if 0 < config.chunk_n < n else max(n, 1)  # one chunk of all columns by default
-    pack = 32 // bits
-    out = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
-    buffer = torch.empty(k, chunk, dtype=x2.dtype, device=x2.device)
-    for start in range(0, n, chunk):
-        cols = slice(start, min(start + chunk, n))
-        w = buffer[:, : cols.stop - start]
-        # chunk_n is a multiple of the words qzeros packs along N, so the slice starts on a word.
-        dense_weight(qweight[:, cols], qzeros[:, start // pack :], scales[:, cols], perm, bits, group, zero_offset,
-                     x2.dtype, config.block_n, config.block_k, config.num_warps, out=w)  # fmt: skip
-        if bias is None:
-            torch.mm(x2, w, out=out[:, cols])
-        else:
-            torch.addmm(bias[cols].to(x2.dtype), x2, w, out=out[:, cols])
-    return out
+    return torch.mm(x2, w) if bias is None else torch.addmm(bias.to(x2.dtype), x2, w)

@@ -7,8 +7,7 @@ Three paths, picked per call from M:
   * GEMM (neither flag): tl.dot over dequantized tiles, BLOCK_M >= 16 (the MMA height); small M splits K as
     well, larger M runs unsplit with wgmma-sized tiles; `swap_ab` computes y^T = W^T x^T (quant_gemm.py).
   * dequantize + matmul (`dequant=True`, from `DEQUANT_MIN_M` rows): a dense W^T written in [BLOCK_K, BLOCK_N]
-    tiles, then cuBLAS (quant_dense.py), `chunk_n` columns at a time where set; block_m, split_k and num_stages
-    do not apply.
+    tiles, then cuBLAS (quant_dense.py); block_m, split_k and num_stages do not apply.
 
 `quant_gemm_config` reads the Hopper table `HOPPER_TABLE` first (rows keyed by M bucket and N / K ranges, filled
 from `python benchmarks/quant_gemm.py --sweep`, which times `sweep_candidates` on the GPU and prints rows in the
@@ -35,7 +34,6 @@ class QuantGemmConfig:
     gemv: bool = False  # CUDA-core GEMV kernel instead of the tl.dot one
     dequant: bool = False  # dense W^T then a cuBLAS matmul (block_n, block_k, num_warps: the dequant tile)
     swap_ab: bool = False  # tl.dot kernel: y^T = W^T x^T, the dequantized tile as the MMA's A operand (registers)
-    chunk_n: int = 0  # dequantize + matmul: W^T columns written and multiplied at a time (0: all at once)
 
 
 @dataclass(slots=True, frozen=True)
@@ -267,11 +265,6 @@ def check_config(cfg: QuantGemmConfig, bits: int) -> None:
         raise ValueError("swap_ab applies to the tl.dot kernel only, not to the GEMV or dequantize + matmul")
     if cfg.gemv and cfg.block_m > GEMV_MAX_BLOCK_M:
         raise ValueError(f"the GEMV kernels take block_m <= {GEMV_MAX_BLOCK_M} rows per program, got {cfg.block_m}")
-    if cfg.chunk_n and (not cfg.dequant or cfg.chunk_n < 0 or cfg.chunk_n % cfg.block_n or cfg.chunk_n % pack):
-        raise ValueError(
-            f"chunk_n applies to dequantize + matmul only and must be a multiple of block_n {cfg.block_n} and of "
-            f"the {pack} values a word packs, got {cfg.chunk_n}"
-        )
     if cfg.dequant and cfg.split_k != 1:
         raise ValueError(f"dequantize + matmul does not split K, got split_k {cfg.split_k}")
     if not cfg.gemv and not cfg.dequant and min(sizes) < 16:
