@@ -10,8 +10,6 @@ from tests.helpers import DEVICE, seeds
 from tests.models.checkpoints import hf_logits, tiny_config
 from tests.models.paged_runner import PagedRunner
 from tests.quant.checkpoints import awq_settings, gptq_settings, write_quantized_checkpoint
-from tritonllm.kernels.dense_ahead import DenseAhead
-from tritonllm.kernels.quant_gemm_config import DEQUANT_MIN_M
 from tritonllm.models.loader import load_model
 
 # fp32 end to end: the quantized weights dequantize exactly, so only summation order differs.
@@ -80,23 +78,3 @@ def test_quantized_checkpoint_matches_dequantized_model(
         logits += runner.step([(0, [t])])
     ours = torch.cat(logits).cpu()
     torch.testing.assert_close(ours, hf_logits(reference, tokens), **FP32_TOL)
-
-
-def test_weights_written_ahead_give_the_same_logits(tmp_path):
-    # A prefill of more than DEQUANT_MIN_M tokens runs every 4-bit layer through dequantize + matmul; the second
-    # pass with DenseAhead writes each layer's W^T during the previous layer's matmul.
-    config = tiny_config("LlamaForCausalLM")
-    write_quantized_checkpoint(config, awq_settings(32), tmp_path, seed=3)
-    model, _ = load_model(str(tmp_path), device=DEVICE)
-    tokens = torch.randint(0, config["vocab_size"], (DEQUANT_MIN_M + 11,), generator=torch.Generator().manual_seed(4))
-
-    def prefill() -> torch.Tensor:
-        return PagedRunner(model, num_blocks=48, seed=5).step([(0, tokens.tolist())])[0]
-
-    plain = prefill()
-    ahead = DenseAhead(DEVICE)
-    ahead.forward_hooks(model)
-    for _ in range(2):  # the first pass learns the layers' order, the second writes ahead
-        assert torch.equal(prefill(), plain)
-    quantized = [m for m in model.modules() if type(getattr(m, "linear_method", None)).__name__ == "AwqLinearMethod"]
-    assert len(ahead.successor) == len(quantized) - 1

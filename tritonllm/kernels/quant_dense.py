@@ -6,21 +6,19 @@ dequantizes every tile in registers before each MMA, runs at well under half the
 [K, N] in x's dtype costs one pass over K * N elements, independent of M, so past the crossover the dense matmul's
 speed wins (vLLM's AWQ layer makes the same switch at 256 tokens).
 
-That write is bound by memory while the matmul is bound by the tensor cores: inside a forward pass the next layer's
-W^T can be written on a side stream while this layer's matmul runs (dense_ahead.py). Writing and multiplying W^T
-in column chunks that stay in L2 lost to the whole write at up to 1,024 rows on the H100 (docs/benchmarks.md).
+The write runs at copy speed (2.8 TB/s on the H100, 15-19% of an AWQ offline step's GPU time). Two ways around it
+lost on the H100 (docs/benchmarks.md, twenty-seventh pass): writing and multiplying W^T in column chunks that stay
+in L2 (slower at 256-1,024 rows on every projection), and writing the next layer's W^T on a side stream during
+this layer's matmul (the two share the SMs and DRAM: the step took 2.7% longer).
 
 An act-order permutation is folded into the rows written: packed row i multiplies x[:, perm[i]], so it is stored
 as row perm[i] and the matmul takes x as it is.
 """
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from tritonllm.kernels import dense_ahead
 from tritonllm.kernels.quant_gemm_common import dequant_words, grouping, load_word_tile
 
 
@@ -80,13 +78,11 @@ def dense_weight(
     block_n: int,
     block_k: int,
     num_warps: int,
-    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """W^T [K, N] in `dtype`, written into `out` where given (any strides), row perm[i] holding packed row i (row i
-    without `perm`); `group` is the group size in rows (K for a single group). Shapes are checked by `gptq_gemm`."""
+    """W^T [K, N] in `dtype`, with row perm[i] holding packed row i (row i without `perm`); `group` is the group
+    size in rows (K for a single group). Shapes are checked by `gptq_gemm`."""
     k, n = qweight.shape[0] * (32 // bits), qweight.shape[1]
-    if out is None:
-        out = torch.empty(k, n, dtype=dtype, device=qweight.device)
+    out = torch.empty(k, n, dtype=dtype, device=qweight.device)
     grid = (triton.cdiv(k, block_k), triton.cdiv(n, block_n))
     _dense_weight_kernel[grid](
         qweight,
@@ -117,16 +113,9 @@ def dense_weight(
 
 
 def dequantized_matmul(x2, qweight, qzeros, scales, perm, bias, bits, group, zero_offset, config) -> torch.Tensor:
-    """y [M, N] = x2 [M, K] @ W^T (+ bias), the dense W^T written with `config`'s tile: inside a forward pass with
-    dense_ahead on, by the previous layer's call on a side stream where it predicted this layer, else here."""
-    k, n = qweight.shape[0] * (32 // bits), qweight.shape[1]
-    write = functools.partial(dense_weight, qweight, qzeros, scales, perm, bits, group, zero_offset, x2.dtype,
-                              config.block_n, config.block_k, config.num_warps)  # fmt: skip
-    ahead = dense_ahead.active()
-    if ahead is None:
-        w = write()
-    else:
-        w = ahead.dense_weight(
-            (qweight.data_ptr(), tuple(qweight.shape), x2.dtype), (k, n), lambda view: write(out=view)
-        )
+    """y [M, N] = x2 [M, K] @ dense_weight(...) (+ bias) with the dense weight's tile from `config`."""
+    w = dense_weight(
+        qweight, qzeros, scales, perm, bits, group, zero_offset, x2.dtype, config.block_n, config.block_k,
+        config.num_warps,
+    )  # fmt: skip
     return torch.mm(x2, w) if bias is None else torch.addmm(bias.to(x2.dtype), x2, w)

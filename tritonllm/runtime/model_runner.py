@@ -8,7 +8,6 @@ import torch
 from torch import nn
 
 from tritonllm.kernels.copy_blocks import copy_blocks
-from tritonllm.kernels.dense_ahead import enable_dense_ahead
 from tritonllm.models.config import ModelConfig
 from tritonllm.runtime.cuda_graphs import DecodeGraphRunner, capture_sizes
 from tritonllm.runtime.forward_context import set_forward_context
@@ -52,8 +51,6 @@ class ModelRunner:
         self.num_blocks = 0
         self.decode_graphs: DecodeGraphRunner | None = None  # set by capture_decode_graphs
         self.mixed_graphs: MixedGraphRunner | None = None  # likewise
-        # 4-bit layers at high concurrency may write the next layer's dense W^T during this one's matmul.
-        self.dense_ahead = enable_dense_ahead(model, device)
 
     # ---- KV cache ---------------------------------------------------------------------------------
 
