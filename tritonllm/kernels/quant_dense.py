@@ -6,10 +6,10 @@ dequantizes every tile in registers before each MMA, runs at well under half the
 [K, N] in x's dtype costs one pass over K * N elements, independent of M, so past the crossover the dense matmul's
 speed wins (vLLM's AWQ layer makes the same switch at 256 tokens).
 
-The write runs at copy speed (2.8 TB/s on the H100, 15-19% of an AWQ offline step's GPU time). Two ways around it
-lost on the H100 (docs/benchmarks.md, twenty-seventh pass): writing and multiplying W^T in column chunks that stay
-in L2 (slower at 256-1,024 rows on every projection), and writing the next layer's W^T on a side stream during
-this layer's matmul (the two share the SMs and DRAM: the step took 2.7% longer).
+The write runs at copy speed (2.8 TB/s on the H100, 14.5-18.6% of an AWQ offline step's GPU time). Two ways
+around it lost on the H100 (docs/benchmarks.md, twenty-seventh pass): writing and multiplying W^T in column
+chunks that stay in L2 (slower at 256-1,024 rows on every projection), and writing the next layer's W^T on a side
+stream during this layer's matmul (the two share the SMs and DRAM: the step took 2.7% longer).
 
 An act-order permutation is folded into the rows written: packed row i multiplies x[:, perm[i]], so it is stored
 as row perm[i] and the matmul takes x as it is.
